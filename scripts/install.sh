@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs torch-spyre and what it needs into the current Python (idempotent).
+# Usage: scripts/install.sh [extra,...]   e.g. scripts/install.sh test,models
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+python -m pip install -q --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel ninja
+spec="."
+[ -n "$extras" ] && spec=".[${extras}]"
+# --no-build-isolation: the C++ extension builds against the torch installed
+# above (an isolated build would download another torch).
+python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"

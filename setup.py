@@ -1,0 +1,54 @@
+"""Builds the thin C++ part of the device (torch_spyre._C) at install time.
+
+The build is cached by the hash of its sources and the torch version
+(~/.cache/torch_spyre, or TORCH_SPYRE_BUILD_CACHE): a fresh clone on a machine
+that built the same sources before copies the library instead of compiling
+for a minute.
+"""
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+SOURCES = ["torch_spyre/csrc/spyre.cpp"]
+COMPILE_ARGS = ["-O2", "-std=c++17", "-Wno-unused-parameter"]
+
+
+def _cache_key() -> str:
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(Path(src).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(COMPILE_ARGS).encode())
+    return h.hexdigest()[:20]
+
+
+class CachedBuildExt(BuildExtension):
+    def build_extension(self, ext):
+        cache = Path(
+            os.environ.get("TORCH_SPYRE_BUILD_CACHE", Path.home() / ".cache" / "torch_spyre")
+        )
+        target = Path(self.get_ext_fullpath(ext.name))
+        cached = cache / f"{ext.name}-{_cache_key()}{target.suffix}"
+        if cached.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cached, target)
+            print(f"torch_spyre: using cached build {cached}")
+            return
+        super().build_extension(ext)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(target, cached)
+        except OSError as err:  # a read-only home must not fail the install
+            print(f"torch_spyre: build not cached ({err})")
+
+
+setup(
+    ext_modules=[CppExtension("torch_spyre._C", SOURCES, extra_compile_args=COMPILE_ARGS)],
+    cmdclass={"build_ext": CachedBuildExt.with_options(use_ninja=True)},
+)

@@ -1,0 +1,68 @@
+"""torch.save / torch.load, deepcopy, modules moved to the card and back."""
+
+import copy
+import io
+
+import torch
+
+
+def _round_trip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def test_save_load_tensors_and_views():
+    x = torch.randn(4, 6, 130)
+    y = x.to("spyre")
+    v = y[1:3, ::2]
+    out = _round_trip({"y": y, "v": v, "h": y.half()})
+    assert out["y"].device.type == "spyre"
+    assert torch.equal(out["y"].cpu(), x)
+    assert torch.equal(out["v"].cpu(), x[1:3, ::2])
+    assert torch.equal(out["h"].cpu(), x.half())
+
+
+def test_loaded_views_still_share_storage():
+    y = torch.arange(20.0).to("spyre")
+    out = _round_trip([y, y[5:10]])
+    out[1].fill_(0)
+    assert out[0].cpu()[5:10].sum() == 0
+
+
+def test_state_dict_round_trip_and_map_location():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(m.state_dict())
+    m.to("spyre")
+    sd = _round_trip(m.state_dict())
+    assert all(t.device.type == "spyre" for t in sd.values())
+    for k, t in sd.items():
+        assert torch.equal(t.cpu(), ref[k])
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    cpu_sd = torch.load(buf, map_location="cpu")
+    for k, t in cpu_sd.items():
+        assert t.device.type == "cpu" and torch.equal(t, ref[k])
+
+
+def test_deepcopy():
+    y = torch.randn(3, 70).to("spyre")
+    z = copy.deepcopy(y)
+    assert z.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    assert torch.equal(z.cpu(), y.cpu())
+
+
+def test_module_to_spyre_and_back():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(2, 8)
+    ref = m(x)
+    m.to("spyre")
+    assert all(p.device.type == "spyre" for p in m.parameters())
+    out = m(x.to("spyre"))
+    assert out.device.type == "spyre"
+    torch.testing.assert_close(out.cpu(), ref)
+    m.to("cpu")
+    torch.testing.assert_close(m(x), ref)

@@ -1,0 +1,37 @@
+"""torch-spyre: IBM's Spyre card as the PyTorch device ``spyre``.
+
+``import torch_spyre`` (or just ``import torch`` once the package is installed,
+through the ``torch.backends`` entry point) registers the device: PrivateUse1
+renamed to ``spyre``, the ``torch.spyre`` module, device memory on the
+simulated card, stick layouts, copies and eager ops.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from torch_spyre.runtime import registration as _registration
+
+_registration.register()
+
+from torch_spyre.layout import SUPPORTED_DTYPES, SpyreTensorLayout  # noqa: E402
+from torch_spyre.runtime.fallback import (  # noqa: E402
+    fallback_counts,
+    get_fallback_policy,
+    reset_fallback_counts,
+    set_fallback_policy,
+)
+
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing is registering."""
+
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "SpyreTensorLayout",
+    "fallback_counts",
+    "get_fallback_policy",
+    "reset_fallback_counts",
+    "set_fallback_policy",
+]

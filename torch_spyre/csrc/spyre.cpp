@@ -1,0 +1,677 @@
+// The thin C++ part of the spyre device: what PyTorch only accepts from C++.
+//
+//  * a c10 Allocator over the simulated card's device memory (capacity per
+//    card, statistics, OOM as torch.OutOfMemoryError), which also records the
+//    stick layout of every storage made by empty/empty_strided;
+//  * the device guard (current card, streams, events) and PrivateUse1 hooks;
+//  * the device generator;
+//  * the metadata-only aten kernels (empty, views, set_, resize_) that must not
+//    go through Python.  Everything that touches values is in Python.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/extension.h>
+#include <torch/csrc/Generator.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace spyre {
+
+constexpr int kMaxCards = 8;
+constexpr int64_t kStickBytes = 128;
+
+// ---------------------------------------------------------------- card state
+struct CardStats {
+  int64_t allocated = 0;      // bytes held by live storages (whole sticks)
+  int64_t peak = 0;
+  int64_t num_allocs = 0;
+  int64_t num_frees = 0;
+  int64_t num_ooms = 0;
+  int64_t capacity = 0;       // usable device memory
+};
+
+struct Layout {  // stick layout of a storage made by empty (see layout.py)
+  std::vector<int64_t> host_size;
+  std::vector<int64_t> device_size;
+  std::vector<int64_t> dim_map;
+  c10::ScalarType dtype;
+};
+
+struct Block {
+  int64_t nbytes;
+  int device;
+};
+
+static std::mutex g_mutex;
+static int g_num_cards = 1;
+static CardStats g_stats[kMaxCards];
+static std::unordered_map<void*, Block> g_blocks;
+static std::unordered_map<void*, Layout> g_layouts;
+static std::atomic<int64_t> g_clock_ps[kMaxCards];  // modelled device time
+thread_local int t_current_device = 0;
+
+static int64_t round_to_stick(int64_t n) {
+  return (n + kStickBytes - 1) / kStickBytes * kStickBytes;
+}
+
+static void check_device(int d) {
+  TORCH_CHECK(d >= 0 && d < g_num_cards, "spyre:", d, " does not exist: this process has ",
+              g_num_cards, " spyre card(s) (set TORCH_SPYRE_NUM_CARDS, 1..", kMaxCards,
+              ", before importing torch_spyre)");
+}
+
+static std::string fmt_bytes(int64_t b) {
+  char buf[64];
+  double v = static_cast<double>(b);
+  if (v >= 1024.0 * 1024 * 1024) snprintf(buf, sizeof buf, "%.2f GiB", v / (1024.0 * 1024 * 1024));
+  else if (v >= 1024.0 * 1024) snprintf(buf, sizeof buf, "%.2f MiB", v / (1024.0 * 1024));
+  else if (v >= 1024.0) snprintf(buf, sizeof buf, "%.2f KiB", v / 1024.0);
+  else snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(b));
+  return buf;
+}
+
+// ------------------------------------------------------------------ allocator
+static void free_block(void* ptr) {
+  if (ptr == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(ptr);
+    if (it != g_blocks.end()) {
+      auto& s = g_stats[it->second.device];
+      s.allocated -= it->second.nbytes;
+      s.num_frees += 1;
+      g_blocks.erase(it);
+    }
+    g_layouts.erase(ptr);
+  }
+  std::free(ptr);
+}
+
+struct SpyreAllocator final : public c10::Allocator {
+  // Device memory is host memory of the simulating process; calloc keeps
+  // padding zero and, for large blocks, only touches pages really written.
+  c10::DataPtr allocate_on(size_t nbytes, int device) {
+    check_device(device);
+    int64_t rounded = round_to_stick(static_cast<int64_t>(nbytes));
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      auto& s = g_stats[device];
+      if (s.allocated + rounded > s.capacity) {
+        s.num_ooms += 1;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "spyre:", device,
+                         " is out of device memory: tried to allocate ", fmt_bytes(rounded),
+                         "; the card holds ", fmt_bytes(s.capacity), " of which ",
+                         fmt_bytes(s.allocated), " are in use by live tensors and ",
+                         fmt_bytes(s.capacity - s.allocated),
+                         " are free. Free tensors you no longer need (del, or let them go "
+                         "out of scope), use smaller batches, or configure a larger card "
+                         "(TORCH_SPYRE_DEVICE_MEMORY).");
+      }
+      if (rounded > 0) {
+        ptr = std::calloc(1, static_cast<size_t>(rounded));
+        TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr,
+                         "the host ran out of memory simulating ", fmt_bytes(rounded),
+                         " of spyre device memory");
+        g_blocks[ptr] = Block{rounded, device};
+        s.allocated += rounded;
+        s.peak = std::max(s.peak, s.allocated);
+      }
+      s.num_allocs += 1;
+    }
+    return {ptr, ptr, &free_block,
+            c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(device))};
+  }
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    return allocate_on(nbytes, t_current_device);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_block; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    // storage clones copy raw device bytes: layout travels with the bytes
+    std::memcpy(dest, src, count);
+  }
+};
+
+static SpyreAllocator g_allocator;
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+// ------------------------------------------------------------------- layouts
+// The default stick layout (hardware.md): [d0..dn-1] ->
+// [d1..d(n-2), ceil(dn-1/stick), d0, stick]; 1-D -> [ceil(d0/stick), stick];
+// scalar -> [1, stick].  Must match torch_spyre/layout.py (tested).
+static Layout default_layout(c10::IntArrayRef size, c10::ScalarType dtype) {
+  Layout l;
+  l.host_size = size.vec();
+  l.dtype = dtype;
+  int64_t se = kStickBytes / static_cast<int64_t>(c10::elementSize(dtype));
+  auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t n = static_cast<int64_t>(size.size());
+  if (n == 0) {
+    l.device_size = {1, se};
+    l.dim_map = {-1, -1};
+  } else if (n == 1) {
+    l.device_size = {cdiv(size[0], se), se};
+    l.dim_map = {0, 0};
+  } else {
+    for (int64_t k = 1; k < n - 1; ++k) {
+      l.device_size.push_back(size[k]);
+      l.dim_map.push_back(k);
+    }
+    l.device_size.push_back(cdiv(size[n - 1], se));
+    l.dim_map.push_back(n - 1);
+    l.device_size.push_back(size[0]);
+    l.dim_map.push_back(0);
+    l.device_size.push_back(se);
+    l.dim_map.push_back(n - 1);
+  }
+  return l;
+}
+
+static int64_t layout_nbytes(const Layout& l) {
+  int64_t n = 1;
+  for (auto s : l.device_size) n *= s;
+  return n * static_cast<int64_t>(c10::elementSize(l.dtype));
+}
+
+static std::vector<int64_t> host_strides(c10::IntArrayRef size) {
+  std::vector<int64_t> strides(size.size());
+  int64_t acc = 1;
+  for (int64_t i = static_cast<int64_t>(size.size()) - 1; i >= 0; --i) {
+    strides[i] = acc;
+    acc *= std::max<int64_t>(size[i], 1);
+  }
+  return strides;
+}
+
+static int device_of(std::optional<c10::Device> device_opt) {
+  if (device_opt.has_value() && device_opt->has_index()) return device_opt->index();
+  return t_current_device;
+}
+
+static void check_dtype(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kChar: case at::kByte:
+    case at::kShort: case at::kInt: case at::kLong: case at::kBool:
+      return;
+    default:
+      break;
+  }
+  C10_THROW_ERROR(TypeError, std::string("spyre does not store ") + c10::toString(dtype) +
+                                 "; supported dtypes are float16, bfloat16, float32, int8, "
+                                 "uint8, int16, int32, int64, bool. Cast first, e.g. "
+                                 "tensor.to(torch.float32) or tensor.to(torch.float16).");
+}
+
+// A tensor whose storage holds `layout` in device memory.  The storage's
+// nbytes stay the *logical* size PyTorch expects; the block behind it is the
+// padded device size.
+static at::Tensor empty_with_layout(Layout layout, c10::IntArrayRef size, c10::IntArrayRef stride,
+                                    int device, int64_t logical_nbytes) {
+  auto dtype = layout.dtype;
+  auto data = g_allocator.allocate_on(static_cast<size_t>(layout_nbytes(layout)), device);
+  void* ptr = data.get();
+  if (ptr != nullptr) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_layouts[ptr] = std::move(layout);
+  }
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), logical_nbytes, std::move(data),
+                              &g_allocator, /*resizable=*/true);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+      c10::scalarTypeToTypeMeta(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(size, stride);
+  return t;
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype_opt,
+                               std::optional<c10::Layout> layout_opt,
+                               std::optional<c10::Device> device_opt,
+                               std::optional<bool> pin_memory_opt,
+                               std::optional<c10::MemoryFormat> memory_format_opt) {
+  auto dtype = c10::dtype_or_default(dtype_opt);
+  check_dtype(dtype);
+  for (auto s : size) TORCH_CHECK(s >= 0, "negative dimension ", s, " in size ", size);
+  int device = device_of(device_opt);
+  check_device(device);
+  auto mf = memory_format_opt.value_or(c10::MemoryFormat::Contiguous);
+  if (mf == c10::MemoryFormat::Contiguous || mf == c10::MemoryFormat::Preserve) {
+    auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
+    return empty_with_layout(default_layout(size, dtype), size, host_strides(size), device,
+                             static_cast<int64_t>(nbytes));
+  }
+  // channels_last & co: the default layout of the logical sizes, restrided.
+  // Any bijection between storage elements and the layout's host elements is
+  // consistent, since every access goes through the same mapping.
+  auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
+  auto t = empty_with_layout(default_layout(size, dtype), size, host_strides(size),
+                             device, static_cast<int64_t>(nbytes));
+  t.unsafeGetTensorImpl()->empty_tensor_restride(mf);
+  return t;
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype_opt,
+                         std::optional<c10::Layout> layout_opt,
+                         std::optional<c10::Device> device_opt,
+                         std::optional<bool> pin_memory_opt) {
+  auto dtype = c10::dtype_or_default(dtype_opt);
+  check_dtype(dtype);
+  for (auto s : size) TORCH_CHECK(s >= 0, "negative dimension ", s, " in size ", size);
+  int device = device_of(device_opt);
+  check_device(device);
+  auto itemsize = c10::elementSize(dtype);
+  auto nbytes = static_cast<int64_t>(at::detail::computeStorageNbytes(size, stride, itemsize));
+  if (stride.vec() == host_strides(size)) {
+    return empty_with_layout(default_layout(size, dtype), size, stride, device, nbytes);
+  }
+  // Arbitrary strides: the storage elements in a 1-D (linear) stick layout.
+  int64_t storage_numel = nbytes / static_cast<int64_t>(itemsize);
+  return empty_with_layout(default_layout({storage_numel}, dtype), size, stride, device, nbytes);
+}
+
+// ------------------------------------------------------- metadata-only ops
+at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      std::optional<int64_t> storage_offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, storage_offset);
+}
+
+at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) {
+  return at::native::view(self, size);
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::as_strided_tensorimpl(self, size, stride, std::nullopt);
+}
+
+// Grows a storage to `newsize` bytes.  Contents are kept byte for byte, so
+// the storage keeps its layout only when it has none (linear) or stays the
+// same size; a laid-out storage that grows is re-laid as linear by Python
+// (torch_spyre.runtime.resize) before it gets here.
+static void resize_bytes(c10::StorageImpl* storage, size_t newsize) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  int device = storage->device().has_index() ? storage->device().index() : t_current_device;
+  auto old_ptr = storage->data_ptr().get();
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    TORCH_CHECK(old_ptr == nullptr || g_layouts.find(old_ptr) == g_layouts.end() ||
+                    newsize == storage->nbytes(),
+                "internal error: a spyre storage with a stick layout cannot be resized in place");
+  }
+  auto data = g_allocator.allocate_on(newsize, device);
+  size_t keep = std::min(newsize, storage->nbytes());
+  if (keep > 0 && old_ptr != nullptr) std::memcpy(data.get(), old_ptr, keep);
+  storage->set_data_ptr_noswap(std::move(data));
+  storage->set_nbytes(newsize);
+}
+
+static void ensure_storage_fits(const at::Tensor& self) {
+  auto impl = self.unsafeGetTensorImpl();
+  if (self.numel() == 0) return;
+  size_t needed = at::detail::computeStorageNbytes(self.sizes(), self.strides(),
+                                                   self.dtype().itemsize(),
+                                                   impl->storage_offset());
+  if (needed > impl->storage().nbytes()) resize_bytes(impl->storage().unsafeGetStorageImpl(), needed);
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,
+                        c10::IntArrayRef size, c10::IntArrayRef stride) {
+  at::native::checkSetStorage(self, source, storage_offset, size, stride);
+  auto impl = self.unsafeGetTensorImpl();
+  impl->set_storage_offset(storage_offset);
+  std::vector<int64_t> strides = stride.data() ? stride.vec() : host_strides(size);
+  impl->set_sizes_and_strides(size, strides);
+  ensure_storage_fits(self);
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage(self, source, 0, {n}, {1});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (!self.is_same(source)) {
+    set_storage(self, source.storage(), source.storage_offset(), source.sizes(), source.strides());
+  }
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  auto fresh = empty_with_layout(default_layout({0}, self.scalar_type()), {0}, {1},
+                                 self.device().index(), 0);
+  return set_storage(self, fresh.storage(), 0, {0}, {1});
+}
+
+// resize_ of a tensor whose storage is large enough only changes metadata;
+// growth goes through Python (which moves laid-out contents correctly).
+const at::Tensor& resize_metadata_(const at::Tensor& self, c10::IntArrayRef size,
+                                   std::optional<c10::MemoryFormat> memory_format) {
+  auto impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (memory_format.has_value() && *memory_format != c10::MemoryFormat::Preserve) {
+    impl->empty_tensor_restride(*memory_format);
+  }
+  ensure_storage_fits(self);
+  return self;
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("as_strided", as_strided);
+  m.impl("view", view);
+  m.impl("_reshape_alias", reshape_alias);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_source_storage);
+  m.impl("set_.source_Tensor", set_source_tensor);
+  m.impl("set_", set_empty);
+}
+
+// -------------------------------------------------------------- generators
+struct SpyreGeneratorImpl : public at::CPUGeneratorImpl {
+  // The card's RNG is the CPU's Philox-free mt19937, tagged with the spyre
+  // device so PyTorch routes it here; kernels draw through a CPU twin.
+  explicit SpyreGeneratorImpl(c10::DeviceIndex index) {
+    device_ = c10::Device(c10::DeviceType::PrivateUse1, index);
+    key_set_ = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  }
+};
+
+static const at::Generator& default_generator(c10::DeviceIndex index) {
+  static std::once_flag flags[kMaxCards];
+  static at::Generator gens[kMaxCards];
+  if (index < 0) index = static_cast<c10::DeviceIndex>(t_current_device);
+  check_device(index);
+  std::call_once(flags[index], [&] {
+    gens[index] = at::make_generator<SpyreGeneratorImpl>(index);
+    gens[index].set_current_seed(c10::detail::getNonDeterministicRandom());
+  });
+  return gens[index];
+}
+
+static at::Generator new_generator(c10::DeviceIndex index) {
+  if (index < 0) index = static_cast<c10::DeviceIndex>(t_current_device);
+  check_device(index);
+  return at::make_generator<SpyreGeneratorImpl>(index);
+}
+
+
+
+// ------------------------------------------------------------ device guard
+struct Event {
+  int64_t clock_ps = 0;
+  bool recorded = false;
+};
+
+thread_local int64_t t_current_stream[kMaxCards] = {0};
+static std::atomic<int64_t> g_next_stream_id{1};
+
+struct SpyreGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  static constexpr c10::DeviceType static_type = c10::DeviceType::PrivateUse1;
+
+  c10::DeviceType type() const override { return static_type; }
+
+  c10::Device exchangeDevice(c10::Device d) const override {
+    auto old = getDevice();
+    if (d.index() != old.index()) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(static_type, static_cast<c10::DeviceIndex>(t_current_device));
+  }
+  void setDevice(c10::Device d) const override {
+    check_device(d.index());
+    t_current_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < g_num_cards) t_current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    int idx = d.has_index() ? d.index() : t_current_device;
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(static_type, idx), t_current_stream[idx]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, d);
+  }
+  c10::Stream getNewStream(c10::Device d, int priority = 0) const override {
+    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id.fetch_add(1));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool = false) const override {
+    return getNewStream(d);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    int idx = s.device_index();
+    auto old = c10::Stream(c10::Stream::UNSAFE, s.device(), t_current_stream[idx]);
+    t_current_stream[idx] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(g_num_cards);
+  }
+  // The simulated card runs each kernel to completion when it is launched,
+  // so streams are always idle and events complete on record.  Events carry
+  // the card's modelled clock, so elapsed_time is modelled device time.
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag) const override {
+    if (*event == nullptr) *event = new Event();
+    auto* e = static_cast<Event*>(*event);
+    e->clock_ps = g_clock_ps[stream.device_index()].load();
+    e->recorded = true;
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<Event*>(event);
+  }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    auto* a = static_cast<Event*>(start);
+    auto* b = static_cast<Event*>(end);
+    TORCH_CHECK(a != nullptr && b != nullptr && a->recorded && b->recorded,
+                "both events must be recorded before elapsed_time is called");
+    return static_cast<double>(b->clock_ps - a->clock_ps) * 1e-9;  // ms
+  }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, SpyreGuardImpl);
+
+// ------------------------------------------------------------------- hooks
+struct SpyreHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return g_num_cards > 0; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override {
+    return static_cast<c10::DeviceIndex>(g_num_cards);
+  }
+  void setCurrentDevice(c10::DeviceIndex d) const override {
+    check_device(d);
+    t_current_device = d;
+  }
+  c10::DeviceIndex getCurrentDevice() const override {
+    return static_cast<c10::DeviceIndex>(t_current_device);
+  }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    auto old = getCurrentDevice();
+    setCurrentDevice(d);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override {
+    if (d < 0 || d >= g_num_cards) return getCurrentDevice();
+    return exchangeDevice(d);
+  }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex d) const override {
+    return default_generator(d);
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex d) const override { return new_generator(d); }
+  at::Device getDeviceFromPtr(void* data) const override {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(data);
+    int d = it != g_blocks.end() ? it->second.device : t_current_device;
+    return at::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(d));
+  }
+  bool isPinnedPtr(const void*) const override { return false; }
+  at::Allocator* getPinnedMemoryAllocator() const override { return at::getCPUAllocator(); }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    resize_bytes(storage.unsafeGetStorageImpl(), newsize);
+  }
+};
+
+static bool register_hooks() {
+  static SpyreHooks hooks;
+  at::RegisterPrivateUse1HooksInterface(&hooks);
+  return true;
+}
+static bool g_hooks_registered = register_hooks();
+
+// ------------------------------------------------------- Python-side access
+static void init_cards(int num_cards, std::vector<int64_t> capacities) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(num_cards >= 1 && num_cards <= kMaxCards, "TORCH_SPYRE_NUM_CARDS must be 1..",
+              kMaxCards, ", got ", num_cards);
+  TORCH_CHECK(static_cast<int>(capacities.size()) == num_cards, "one capacity per card");
+  for (int i = 0; i < num_cards; ++i) {
+    TORCH_CHECK(capacities[i] >= g_stats[i].allocated, "spyre:", i, " capacity ",
+                fmt_bytes(capacities[i]), " is below what is in use (",
+                fmt_bytes(g_stats[i].allocated), ")");
+    g_stats[i].capacity = capacities[i];
+  }
+  g_num_cards = num_cards;
+}
+
+static py::dict stats(int device) {
+  check_device(device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto& s = g_stats[device];
+  py::dict d;
+  d["allocated_bytes"] = s.allocated;
+  d["peak_allocated_bytes"] = s.peak;
+  d["num_allocs"] = s.num_allocs;
+  d["num_frees"] = s.num_frees;
+  d["num_ooms"] = s.num_ooms;
+  d["capacity_bytes"] = s.capacity;
+  int64_t live = 0;
+  for (const auto& kv : g_blocks) live += kv.second.device == device;
+  d["live_blocks"] = live;
+  return d;
+}
+
+static void reset_peak(int device) {
+  check_device(device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_stats[device].peak = g_stats[device].allocated;
+}
+
+// (host_size, device_size, dim_map) of the storage behind `t`, or None when
+// the storage is linear (made by the allocator directly, e.g. torch.load).
+static py::object layout_of(const at::Tensor& t) {
+  void* ptr = t.storage().data_ptr().get();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_layouts.find(ptr);
+  if (it == g_layouts.end()) return py::none();
+  const auto& l = it->second;
+  return py::make_tuple(py::cast(l.host_size), py::cast(l.device_size), py::cast(l.dim_map),
+                        py::cast(c10::toString(l.dtype)));
+}
+
+static void set_layout(const at::Tensor& t, std::vector<int64_t> host_size,
+                       std::vector<int64_t> device_size, std::vector<int64_t> dim_map) {
+  void* ptr = t.storage().data_ptr().get();
+  TORCH_CHECK(ptr != nullptr, "cannot lay out an empty storage");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_blocks.find(ptr);
+  TORCH_CHECK(it != g_blocks.end(), "not a spyre device storage");
+  Layout l{host_size, device_size, dim_map, t.scalar_type()};
+  TORCH_CHECK(round_to_stick(layout_nbytes(l)) <= it->second.nbytes,
+              "layout needs more device memory than the storage holds");
+  g_layouts[ptr] = std::move(l);
+}
+
+// Allocate a tensor of logical `size` whose storage holds the given layout.
+static at::Tensor empty_laid_out(std::vector<int64_t> size, c10::ScalarType dtype, int device,
+                                 std::vector<int64_t> device_size, std::vector<int64_t> dim_map) {
+  check_dtype(dtype);
+  check_device(device);
+  Layout l{size, device_size, dim_map, dtype};
+  auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
+  return empty_with_layout(std::move(l), size, host_strides(size), device,
+                           static_cast<int64_t>(nbytes));
+}
+
+// A CPU tensor aliasing the device bytes of `t`'s storage (whole block,
+// padding included).  It keeps the storage alive.  This is how the simulated
+// card reads and writes its memory; nothing else should use it.
+static at::Tensor device_bytes(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == c10::DeviceType::PrivateUse1, "not a spyre tensor");
+  auto storage = t.storage();
+  void* ptr = storage.data_ptr().get();
+  int64_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(ptr);
+    if (it != g_blocks.end()) n = it->second.nbytes;
+  }
+  auto keep = new c10::Storage(storage);
+  return at::from_blob(
+      ptr, {n}, [keep](void*) { delete keep; }, at::TensorOptions().dtype(at::kByte));
+}
+
+static void advance_clock(int device, double seconds) {
+  check_device(device);
+  g_clock_ps[device].fetch_add(static_cast<int64_t>(seconds * 1e12));
+}
+
+static double clock_s(int device) {
+  check_device(device);
+  return static_cast<double>(g_clock_ps[device].load()) * 1e-12;
+}
+
+}  // namespace spyre
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("_init_cards", &spyre::init_cards);
+  m.def("_stats", &spyre::stats);
+  m.def("_reset_peak", &spyre::reset_peak);
+  m.def("_layout_of", &spyre::layout_of);
+  m.def("_set_layout", &spyre::set_layout);
+  m.def("_default_generator", [](int d) {
+    return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(
+        spyre::default_generator(static_cast<c10::DeviceIndex>(d))));
+  });
+  m.def("_drop_layout", [](const at::Tensor& t) {
+    std::lock_guard<std::mutex> lock(spyre::g_mutex);
+    spyre::g_layouts.erase(t.storage().data_ptr().get());
+  });
+  m.def("_empty_laid_out", &spyre::empty_laid_out);
+  m.def("_device_bytes", &spyre::device_bytes);
+  m.def("_advance_clock", &spyre::advance_clock);
+  m.def("_clock_s", &spyre::clock_s);
+  m.def("_resize_metadata", [](const at::Tensor& t, std::vector<int64_t> size) {
+    spyre::resize_metadata_(t, size, std::nullopt);
+  });
+  m.def("_get_device", []() { return spyre::t_current_device; });
+  m.def("_set_device", [](int d) {
+    spyre::check_device(d);
+    spyre::t_current_device = d;
+  });
+  m.def("_device_count", []() { return spyre::g_num_cards; });
+}

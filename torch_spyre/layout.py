@@ -1,0 +1,286 @@
+"""The stick layout of device tensors (../shared/hardware.md, "Layout rule").
+
+A device tensor keeps its host (logical) sizes; in device memory it is stored
+row-major as ``device_size``, whose last dimension is the position inside a
+128-byte stick.  Every device dimension indexes exactly one host dimension
+(``dim_map``); a host dimension split over several device dimensions is tiled,
+the later device dimension being the inner one.  ``stride_map[d]`` is the
+host-element stride (of the contiguous host tensor) of device dimension ``d``,
+-1 for a synthetic size-1 dimension that indexes no host dimension.
+
+This module is the contract between the runtime (copies), the kernel program
+(stick loads/stores) and the simulator: it depends on torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+
+STICK_BYTES = 128
+
+#: Host dtypes that device memory stores, and how.  Every one is stored
+#: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used
+#: by vector ops), the integer types (int64 keeps its full range: 16 per
+#: stick) and bool (one byte each).  Kernels decide how they compute on them.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
+class UnsupportedDtypeError(TypeError):
+    pass
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise UnsupportedDtypeError(
+            f"spyre does not store {dtype}; supported dtypes are {names}. "
+            f"Cast first, e.g. tensor.to(torch.float32) or tensor.to(torch.float16)."
+        )
+
+
+def stick_elems(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in one 128-byte stick (64 fp16, 32 fp32, 128 int8)."""
+    return STICK_BYTES // _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SpyreTensorLayout:
+    host_size: tuple[int, ...]
+    device_size: tuple[int, ...]
+    dim_map: tuple[int, ...]
+    dtype: torch.dtype
+
+    # ----------------------------------------------------------- construction
+    @staticmethod
+    def default(host_size: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> SpyreTensorLayout:
+        """The runtime's default: stick dimension = last host dimension.
+
+        [d0..dn-1] -> [d1, ..., d(n-2), ceil(dn-1/stick), d0, stick];
+        1-D [d0] -> [ceil(d0/stick), stick]; a scalar is stored as [1, stick].
+        """
+        return _default_layout(tuple(int(s) for s in host_size), dtype)
+
+    @staticmethod
+    def with_stick_dim(
+        host_size: tuple[int, ...] | torch.Size, dtype: torch.dtype, stick_dim: int
+    ) -> SpyreTensorLayout:
+        """Like the default, but with ``stick_dim`` as the stick dimension.
+
+        The other host dimensions keep their order; the outermost one moves
+        between the stick blocks and the stick, as in the default rule.
+        """
+        size = tuple(int(s) for s in host_size)
+        n = len(size)
+        if n == 0:
+            return _default_layout(size, dtype)
+        stick_dim %= n
+        if stick_dim == n - 1:
+            return _default_layout(size, dtype)
+        se = stick_elems(dtype)
+        others = [k for k in range(n) if k != stick_dim]
+        outer, rest = others[0], others[1:]
+        dims = rest + [stick_dim, outer, stick_dim]
+        sizes = [size[k] for k in rest] + [_ceil_div(size[stick_dim], se), size[outer], se]
+        return SpyreTensorLayout(size, tuple(sizes), tuple(dims), dtype)
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        if len(self.device_size) != len(self.dim_map):
+            raise ValueError("device_size and dim_map must have the same length")
+        if self.device_size and self.device_size[-1] != stick_elems(self.dtype):
+            raise ValueError(
+                f"the last device dimension must be one stick ({stick_elems(self.dtype)} "
+                f"elements of {self.dtype}), got {self.device_size[-1]}"
+            )
+        for k, h in enumerate(self.host_size):
+            span = math.prod(s for s, d in zip(self.device_size, self.dim_map) if d == k)
+            if span < h:
+                raise ValueError(f"device dimensions for host dim {k} cover {span} < {h}")
+
+    # ------------------------------------------------------------- properties
+    @cached_property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    @cached_property
+    def stick_elems(self) -> int:
+        return stick_elems(self.dtype)
+
+    @cached_property
+    def stick_dim(self) -> int:
+        """The host dimension whose elements are contiguous inside a stick."""
+        return self.dim_map[-1]
+
+    @cached_property
+    def host_strides(self) -> tuple[int, ...]:
+        strides, acc = [], 1
+        for s in reversed(self.host_size):
+            strides.append(acc)
+            acc *= max(s, 1)
+        return tuple(reversed(strides))
+
+    @cached_property
+    def units(self) -> tuple[int, ...]:
+        """Host elements (along dim_map[d]) per step of device dimension d."""
+        units = [0] * len(self.device_size)
+        inner: dict[int, int] = {}
+        for d in reversed(range(len(self.device_size))):
+            k = self.dim_map[d]
+            units[d] = inner.get(k, 1)
+            inner[k] = units[d] * self.device_size[d]
+        return tuple(units)
+
+    @cached_property
+    def stride_map(self) -> tuple[int, ...]:
+        return tuple(
+            -1 if k < 0 else self.host_strides[k] * u for k, u in zip(self.dim_map, self.units)
+        )
+
+    @cached_property
+    def device_strides(self) -> tuple[int, ...]:
+        """Element strides of the row-major device tensor."""
+        strides, acc = [], 1
+        for s in reversed(self.device_size):
+            strides.append(acc)
+            acc *= s
+        return tuple(reversed(strides))
+
+    @cached_property
+    def numel(self) -> int:
+        return math.prod(self.host_size)
+
+    @cached_property
+    def device_numel(self) -> int:
+        return math.prod(self.device_size)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes of device memory: whole sticks, padding included."""
+        return self.device_numel * self.itemsize
+
+    @cached_property
+    def num_sticks(self) -> int:
+        return self.device_numel // self.stick_elems if self.device_size else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SpyreTensorLayout(host_size={list(self.host_size)}, "
+            f"device_size={list(self.device_size)}, stride_map={list(self.stride_map)}, "
+            f"dtype={self.dtype})"
+        )
+
+    # ------------------------------------------------------------- conversion
+    @cached_property
+    def _plan(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """How a host tensor becomes the device tensor.
+
+        Returns (padded host size, split sizes in host order, permutation from
+        split order to device order, positions of synthetic device dims).
+        """
+        n = len(self.host_size)
+        padded, split_sizes, order = [], [], []
+        for k in range(n):
+            ds = [d for d in range(len(self.device_size)) if self.dim_map[d] == k]
+            padded.append(math.prod(self.device_size[d] for d in ds))
+            split_sizes.extend(self.device_size[d] for d in ds)
+            order.extend(ds)
+        synthetic = tuple(d for d in range(len(self.device_size)) if self.dim_map[d] < 0)
+        # split position of each device dim (synthetic ones are appended last)
+        pos = {d: i for i, d in enumerate(order)}
+        for j, d in enumerate(synthetic):
+            pos[d] = len(order) + j
+        perm = tuple(pos[d] for d in range(len(self.device_size)))
+        return tuple(padded), tuple(split_sizes), perm, synthetic
+
+    @cached_property
+    def _scalar_as_vector(self) -> SpyreTensorLayout | None:
+        # a scalar is stored exactly like a 1-element vector
+        return _default_layout((1,), self.dtype) if not self.host_size else None
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host values (``host_size``) -> a new row-major ``device_size`` tensor.
+
+        Padding is zero.  Runs on whatever device ``host`` is on (CPU here).
+        """
+        if tuple(host.shape) != self.host_size:
+            raise ValueError(f"expected host size {self.host_size}, got {tuple(host.shape)}")
+        if self._scalar_as_vector is not None:
+            return self._scalar_as_vector.to_device(host.reshape(1))
+        padded, split_sizes, perm, synthetic = self._plan
+        x = host.to(self.dtype)
+        if any(p != h for p, h in zip(padded, self.host_size)):
+            out = torch.zeros(padded, dtype=self.dtype, device=host.device)
+            out[tuple(slice(0, h) for h in self.host_size)] = x
+            x = out
+        x = x.reshape(split_sizes + (1,) * len(synthetic))
+        return x.permute(perm).contiguous()
+
+    def to_host(self, device: torch.Tensor) -> torch.Tensor:
+        """A row-major ``device_size`` tensor -> a new contiguous host tensor.
+
+        Never a view of ``device``: callers may overwrite device memory after.
+        """
+        if self._scalar_as_vector is not None:
+            return self._scalar_as_vector.to_host(device).reshape(())
+        padded, split_sizes, perm, synthetic = self._plan
+        x = device.reshape(self.device_size)
+        inv = [0] * len(perm)
+        for d, p in enumerate(perm):
+            inv[p] = d
+        x = x.permute(inv)
+        if synthetic:
+            x = x.reshape(split_sizes)
+        x = x.reshape(padded)
+        if any(p != h for p, h in zip(padded, self.host_size)):
+            x = x[tuple(slice(0, h) for h in self.host_size)]
+        return x.clone(memory_format=torch.contiguous_format)
+
+    def device_offsets(self, host_offsets: torch.Tensor) -> torch.Tensor:
+        """Device element offsets of the given contiguous-host element offsets."""
+        if self._scalar_as_vector is not None:
+            return self._scalar_as_vector.device_offsets(host_offsets)
+        out = torch.zeros_like(host_offsets)
+        coords = {}
+        for k, (size, stride) in enumerate(zip(self.host_size, self.host_strides)):
+            coords[k] = (host_offsets // stride) % max(size, 1)
+        for d, (k, u) in enumerate(zip(self.dim_map, self.units)):
+            if k < 0:
+                continue
+            out += ((coords[k] // u) % self.device_size[d]) * self.device_strides[d]
+        return out
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=4096)
+def _default_layout(size: tuple[int, ...], dtype: torch.dtype) -> SpyreTensorLayout:
+    check_dtype(dtype)
+    se = stick_elems(dtype)
+    n = len(size)
+    if n == 0:
+        return SpyreTensorLayout((), (1, se), (-1, -1), dtype)
+    if n == 1:
+        return SpyreTensorLayout(size, (_ceil_div(size[0], se), se), (0, 0), dtype)
+    dims = list(range(1, n - 1)) + [n - 1, 0, n - 1]
+    sizes = list(size[1 : n - 1]) + [_ceil_div(size[-1], se), size[0], se]
+    return SpyreTensorLayout(size, tuple(sizes), tuple(dims), dtype)

@@ -1,0 +1,1 @@
+"""PyTorch device semantics for spyre: registration, memory, layout access, copies."""

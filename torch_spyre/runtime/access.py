@@ -1,0 +1,159 @@
+"""Reading and writing the values of spyre tensors through their stick layout.
+
+A spyre tensor is a plain ``torch.Tensor`` with host (logical) sizes, strides
+and storage offset.  Its storage's *logical* bytes are those of the base
+tensor the storage was made for, contiguous; in device memory they are laid
+out in sticks by the storage's :class:`SpyreTensorLayout`.  A storage made by
+the allocator directly (``torch.UntypedStorage(n, device="spyre")``, loading a
+checkpoint) has no layout and is linear: bytes in order, padded to a stick.
+
+Everything here runs on host memory that *is* the simulated card's memory
+(``_C._device_bytes``); only the runtime and the simulator use this module.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from torch_spyre import _C
+from torch_spyre.layout import SpyreTensorLayout
+
+_DTYPES = {
+    "Half": torch.float16,
+    "BFloat16": torch.bfloat16,
+    "Float": torch.float32,
+    "Char": torch.int8,
+    "Byte": torch.uint8,
+    "Short": torch.int16,
+    "Int": torch.int32,
+    "Long": torch.int64,
+    "Bool": torch.bool,
+}
+
+# Below this fraction of its base, a view is gathered stick by stick instead
+# of converting the whole base.
+_GATHER_FRACTION = 0.25
+
+
+@lru_cache(maxsize=4096)
+def _layout(host: tuple, device: tuple, dim_map: tuple, dtype: str) -> SpyreTensorLayout:
+    return SpyreTensorLayout(host, device, dim_map, _DTYPES[dtype])
+
+
+def storage_layout(t: torch.Tensor) -> SpyreTensorLayout:
+    """The stick layout of the storage behind spyre tensor ``t``."""
+    info = _C._layout_of(t)
+    if info is None:
+        if t.untyped_storage().nbytes() == 0:  # nothing allocated: nothing laid out yet
+            return SpyreTensorLayout.default(tuple(t.shape), t.dtype)
+        return SpyreTensorLayout.default((t.untyped_storage().nbytes(),), torch.uint8)
+    host, device, dim_map, dtype = info
+    return _layout(tuple(host), tuple(device), tuple(dim_map), dtype)
+
+
+def device_tensor(t: torch.Tensor, layout: SpyreTensorLayout | None = None) -> torch.Tensor:
+    """The device memory of ``t``'s storage as a row-major ``device_size`` CPU tensor.
+
+    It aliases the card's memory: writes to it are writes to the device.
+    """
+    layout = layout or storage_layout(t)
+    raw = _C._device_bytes(t)
+    return raw[: layout.nbytes].view(layout.dtype).view(layout.device_size)
+
+
+def _covers_base(t: torch.Tensor, layout: SpyreTensorLayout) -> bool:
+    return (
+        t.dtype == layout.dtype
+        and t.storage_offset() == 0
+        and tuple(t.shape) == layout.host_size
+        and t.is_contiguous()
+    )
+
+
+def _host_offsets(t: torch.Tensor) -> torch.Tensor:
+    """Element offsets into the base of every element of view ``t``, in order."""
+    offs = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offs = offs + (torch.arange(size, dtype=torch.int64) * stride).view(shape)
+    return offs.expand(t.shape).reshape(-1)
+
+
+def _logical_base(t: torch.Tensor, layout: SpyreTensorLayout) -> torch.Tensor:
+    """The whole base, contiguous on the host, as flat bytes."""
+    return layout.to_host(device_tensor(t, layout)).reshape(-1).view(torch.uint8)
+
+
+def _byte_view(base_bytes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a strided view over the base's logical bytes."""
+    usable = base_bytes.numel() // t.element_size() * t.element_size()
+    flat = base_bytes[:usable].view(t.dtype)
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def read(t: torch.Tensor) -> torch.Tensor:
+    """The values of spyre tensor ``t`` as a new contiguous CPU tensor."""
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    layout = storage_layout(t)
+    if _covers_base(t, layout):
+        return layout.to_host(device_tensor(t, layout))
+    if t.dtype == layout.dtype and t.numel() < _GATHER_FRACTION * layout.numel:
+        offsets = layout.device_offsets(_host_offsets(t))
+        return device_tensor(t, layout).reshape(-1)[offsets].view(t.shape)
+    if t.dtype == layout.dtype:
+        base = layout.to_host(device_tensor(t, layout)).reshape(-1)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset()).contiguous()
+    return _byte_view(_logical_base(t, layout), t).contiguous()
+
+
+def write(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Store CPU ``values`` (broadcast to ``t``'s shape, cast) into spyre tensor ``t``."""
+    if t.numel() == 0:
+        return
+    values = values.to(dtype=t.dtype).expand(t.shape)
+    layout = storage_layout(t)
+    dev = device_tensor(t, layout)
+    if _covers_base(t, layout):
+        dev.copy_(layout.to_device(values))
+        return
+    if t.dtype == layout.dtype and t.numel() < _GATHER_FRACTION * layout.numel:
+        offsets = layout.device_offsets(_host_offsets(t))
+        dev.reshape(-1)[offsets] = values.reshape(-1)
+        return
+    if t.dtype == layout.dtype:
+        base = layout.to_host(dev)
+        base.reshape(-1).as_strided(t.shape, t.stride(), t.storage_offset()).copy_(values)
+        dev.copy_(layout.to_device(base))
+        return
+    base_bytes = _logical_base(t, layout)
+    _byte_view(base_bytes, t).copy_(values)
+    base = base_bytes.view(layout.dtype)[: layout.numel].view(layout.host_size)
+    dev.copy_(layout.to_device(base))
+
+
+def device_nbytes(t: torch.Tensor) -> int:
+    """Bytes a copy of ``t`` moves: whole sticks of device memory."""
+    layout = storage_layout(t)
+    if _covers_base(t, layout):
+        return layout.nbytes
+    return math.ceil(t.numel() * t.element_size() / 128) * 128
+
+
+def relinearize(t: torch.Tensor) -> None:
+    """Turn the storage of ``t`` into a linear one, keeping its logical bytes.
+
+    Needed before the storage grows (resize_), which copies bytes in order.
+    """
+    if _C._layout_of(t) is None:
+        return
+    layout = storage_layout(t)
+    logical = _logical_base(t, layout)
+    _C._drop_layout(t)
+    raw = _C._device_bytes(t)
+    raw.zero_()
+    raw[: logical.numel()].copy_(logical)

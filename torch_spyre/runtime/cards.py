@@ -1,0 +1,52 @@
+"""The cards of this process: how many, their hardware configuration, and the
+simulated card object behind each device index.
+
+The runtime talks to cards only through this module, so a real-card runtime
+could replace the simulator here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch_spyre import _C
+from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card
+
+MAX_CARDS = 8
+
+
+def configured_num_cards() -> int:
+    raw = os.environ.get("TORCH_SPYRE_NUM_CARDS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"TORCH_SPYRE_NUM_CARDS must be an integer 1..{MAX_CARDS}, got {raw!r}"
+        ) from None
+    if not 1 <= n <= MAX_CARDS:
+        raise ValueError(f"TORCH_SPYRE_NUM_CARDS must be 1..{MAX_CARDS}, got {n}")
+    return n
+
+
+def init() -> None:
+    """Tell the allocator how many cards there are and how much each holds."""
+    n = configured_num_cards()
+    _C._init_cards(n, [card(i).config.device_memory_bytes for i in range(n)])
+
+
+def num_cards() -> int:
+    return _C._device_count()
+
+
+def card(index: int) -> SimulatedCard:
+    return get_card(index)
+
+
+def config(index: int = 0) -> HardwareConfig:
+    return card(index).config
+
+
+def record_transfer(index: int, kind: str, nbytes: int) -> None:
+    """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
+    rec = card(index).record_transfer(kind, nbytes)
+    _C._advance_clock(index, rec.time_s)

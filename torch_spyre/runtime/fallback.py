@@ -1,0 +1,231 @@
+"""The one explicit host fallback for aten ops that have no spyre kernel.
+
+The op runs on the host: spyre inputs are copied to the CPU (modelled as
+device->host transfers), the CPU kernel runs, mutated inputs and new outputs
+are copied back (host->device).  Each use is counted per op, warned about
+once per op, and governed by a policy:
+
+* ``warn`` (default): run it and warn the first time an op falls back;
+* ``silent``: run it quietly (still counted);
+* ``error``: raise, naming the op and the shapes.
+
+Set it with ``torch_spyre.set_fallback_policy`` or ``TORCH_SPYRE_FALLBACK``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torch_spyre.runtime import access, cards
+
+_POLICIES = ("warn", "silent", "error")
+_counts: Counter[str] = Counter()
+_warned: set[str] = set()
+_policy = os.environ.get("TORCH_SPYRE_FALLBACK", "warn")
+
+
+class SpyreFallbackWarning(UserWarning):
+    """An aten op ran on the host because spyre has no kernel for it."""
+
+
+class SpyreFallbackError(NotImplementedError):
+    """An aten op has no spyre kernel and the fallback policy is ``error``."""
+
+
+def set_fallback_policy(policy: str) -> None:
+    global _policy
+    if policy not in _POLICIES:
+        raise ValueError(f"fallback policy must be one of {_POLICIES}, got {policy!r}")
+    _policy = policy
+
+
+def get_fallback_policy() -> str:
+    return _policy
+
+
+@contextmanager
+def fallback_policy(policy: str):
+    old = get_fallback_policy()
+    set_fallback_policy(policy)
+    try:
+        yield
+    finally:
+        set_fallback_policy(old)
+
+
+def fallback_counts() -> dict[str, int]:
+    """How many times each op ran through the host fallback."""
+    return dict(_counts)
+
+
+def reset_fallback_counts() -> None:
+    _counts.clear()
+    _warned.clear()
+
+
+def _describe(args, kwargs) -> str:
+    shapes = []
+    for a in tree_flatten((args, kwargs))[0]:
+        if isinstance(a, torch.Tensor):
+            shapes.append(f"{a.dtype}{list(a.shape)}@{a.device}")
+    return ", ".join(shapes) or "no tensors"
+
+
+def _first_spyre_device(flat) -> torch.device:
+    for a in flat:
+        if isinstance(a, torch.Tensor) and a.device.type == "spyre":
+            return a.device
+        if isinstance(a, torch.device) and a.type == "spyre":
+            return torch.device("spyre", a.index if a.index is not None else _current())
+    return torch.device("spyre", _current())
+
+
+def _current() -> int:
+    from torch_spyre import _C
+
+    return _C._get_device()
+
+
+def _is_view_op(op) -> bool:
+    returns = op._schema.returns
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _run_view_op(op, args, kwargs):
+    """View ops only compute geometry: do it on meta tensors, then alias."""
+    spyre_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+
+    def to_meta(a):
+        if isinstance(a, torch.Tensor) and a.device.type == "spyre":
+            base = torch.empty(
+                a.untyped_storage().nbytes() // a.element_size(), dtype=a.dtype, device="meta"
+            )
+            return base.as_strided(a.shape, a.stride(), a.storage_offset())
+        return a
+
+    out = op(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+    source = spyre_in[0]
+
+    def alias(o):
+        if isinstance(o, torch.Tensor):
+            if o.dtype != source.dtype:
+                return source.view(o.dtype).as_strided(o.shape, o.stride(), o.storage_offset())
+            return source.as_strided(o.shape, o.stride(), o.storage_offset())
+        return o
+
+    return tree_map(alias, out)
+
+
+@contextmanager
+def _device_rng(device: torch.device):
+    """Run CPU kernels with the spyre generator's state as the CPU default."""
+    gen = torch.spyre.default_generators[device.index]
+    cpu_default = torch.default_generator
+    saved = cpu_default.get_state()
+    cpu_default.set_state(gen.get_state())
+    try:
+        yield
+    finally:
+        gen.set_state(cpu_default.get_state())
+        cpu_default.set_state(saved)
+
+
+def _cpu_twin(gen):
+    if isinstance(gen, torch.Generator) and gen.device.type == "spyre":
+        twin = torch.Generator()
+        twin.set_state(gen.get_state())
+        return twin
+    return gen
+
+
+def host_fallback(op, *args, **kwargs):
+    name = str(op).removeprefix("aten.")
+    if _is_view_op(op):
+        return _run_view_op(op, args, kwargs)
+    if _policy == "error":
+        raise SpyreFallbackError(
+            f"spyre has no kernel for aten.{name} ({_describe(args, kwargs)}) and the "
+            f"fallback policy is 'error'. Use torch_spyre.set_fallback_policy('warn') "
+            f"(or TORCH_SPYRE_FALLBACK=warn) to run it on the host, or move the "
+            f"tensors to the CPU for this op."
+        )
+    _counts[name] += 1
+    if _policy == "warn" and name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"spyre: aten.{name} has no device kernel; it runs on the host with copies "
+            f"to and from the card (counted in torch_spyre.fallback_counts()).",
+            SpyreFallbackWarning,
+            stacklevel=3,
+        )
+    flat = tree_flatten((args, kwargs))[0]
+    device = _first_spyre_device(flat)
+    schema = op._schema
+    originals: dict[int, torch.Tensor] = {}
+
+    def to_cpu(a):
+        if isinstance(a, torch.Tensor) and a.device.type == "spyre":
+            cpu = access.read(a)
+            cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a))
+            originals[id(cpu)] = a
+            return cpu
+        if isinstance(a, torch.device) and a.type == "spyre":
+            return torch.device("cpu")
+        if isinstance(a, torch.Generator):
+            return _cpu_twin(a)
+        return a
+
+    cpu_args = tree_map(to_cpu, args)
+    cpu_kwargs = tree_map(to_cpu, kwargs)
+    seeded = torch.Tag.nondeterministic_seeded in op.tags
+    if seeded:
+        with _device_rng(device):
+            out = op(*cpu_args, **cpu_kwargs)
+    else:
+        out = op(*cpu_args, **cpu_kwargs)
+    _sync_generators(args, kwargs, cpu_args, cpu_kwargs)
+
+    # write back every argument the op mutates
+    written: dict[int, torch.Tensor] = {}
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        cpu = cpu_kwargs.get(arg.name) if arg.kwarg_only else None
+        if cpu is None and i < len(cpu_args):
+            cpu = cpu_args[i]
+        if cpu is None:
+            cpu = cpu_kwargs.get(arg.name)
+        for c in tree_flatten(cpu)[0]:
+            if isinstance(c, torch.Tensor) and id(c) in originals:
+                dst = originals[id(c)]
+                if dst.shape != c.shape:
+                    dst.resize_(c.shape)
+                access.write(dst, c)
+                cards.record_transfer(dst.device.index, "h2d", access.device_nbytes(dst))
+                written[id(c)] = dst
+
+    def to_spyre(o):
+        if isinstance(o, torch.Tensor):
+            if id(o) in written:
+                return written[id(o)]
+            if id(o) in originals:  # returned an input unchanged
+                return originals[id(o)]
+            res = torch.empty(o.shape, dtype=o.dtype, device=device)
+            access.write(res, o)
+            cards.record_transfer(device.index, "h2d", access.device_nbytes(res))
+            return res
+        return o
+
+    return tree_map(to_spyre, out)
+
+
+def _sync_generators(args, kwargs, cpu_args, cpu_kwargs) -> None:
+    for orig, cpu in zip(tree_flatten((args, kwargs))[0], tree_flatten((cpu_args, cpu_kwargs))[0]):
+        if isinstance(orig, torch.Generator) and orig is not cpu:
+            orig.set_state(cpu.get_state())

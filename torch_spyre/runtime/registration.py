@@ -1,0 +1,52 @@
+"""Registers spyre with PyTorch through its public out-of-tree device path."""
+
+from __future__ import annotations
+
+import torch
+
+_done = False
+_libs: list[torch.library.Library] = []
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    # the C++ extension registers the allocator, guard, hooks, generator and
+    # the metadata-only kernels when it is loaded
+    from torch_spyre import _C  # noqa: F401
+    from torch_spyre.runtime import cards, copies, device_module, fallback, printing
+
+    torch.utils.rename_privateuse1_backend("spyre")
+    torch._register_device_module("spyre", device_module)
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+    )
+    cards.init()
+    printing.install()
+
+    aten = torch.library.Library("aten", "IMPL")
+    for name, fn in (
+        ("copy_", copies.copy_),
+        ("_copy_from", copies._copy_from),
+        ("_copy_from_and_resize", copies._copy_from_and_resize),
+        ("_local_scalar_dense", copies._local_scalar_dense),
+        ("resize_", copies.resize_),
+    ):
+        aten.impl(name, fn, "PrivateUse1")
+    # No extension point exists for per-device Tensor methods; IBM's stack
+    # adds this one the same way, so user code is portable between the two.
+    torch.Tensor.device_tensor_layout = _device_tensor_layout
+    everything = torch.library.Library("_", "IMPL")
+    everything.fallback(fallback.host_fallback, "PrivateUse1")
+    _libs.extend([aten, everything])
+    _done = True
+
+
+def _device_tensor_layout(self: torch.Tensor):
+    """The stick layout of the device storage behind this spyre tensor."""
+    from torch_spyre.runtime.access import storage_layout
+
+    if self.device.type != "spyre":
+        raise RuntimeError(f"device_tensor_layout() needs a spyre tensor, got one on {self.device}")
+    return storage_layout(self)

@@ -1,0 +1,110 @@
+"""The vocabulary of compute steps: op name -> torch function and cost class.
+
+Producers name ops by string in kernel programs; the executor looks the
+function up here and the timing model the cost class.  Register new ops with
+``register_op`` / ``register_reduction`` (e.g. from an eager-op module); a
+program naming an unknown op is rejected at validation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class VectorOpDef:
+    name: str
+    fn: Callable[..., torch.Tensor]
+    #: "simple" | "transcendental" (see HardwareConfig.sfu_*_cycles)
+    cost_class: str
+    #: tensor inputs it takes; scalars come after them
+    num_inputs: int
+    #: FLOP counted per output element (for rooflines and reports)
+    flops: float = 1.0
+
+
+@dataclass(frozen=True)
+class ReductionDef:
+    name: str
+    fn: Callable[[torch.Tensor, int], torch.Tensor]
+    #: value that does not change the result (pads uneven core splits)
+    identity: float
+
+
+VECTOR_OPS: dict[str, VectorOpDef] = {}
+REDUCTIONS: dict[str, ReductionDef] = {}
+
+
+def register_op(
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    cost_class: str,
+    num_inputs: int,
+    flops: float = 1.0,
+) -> None:
+    if cost_class not in ("simple", "transcendental"):
+        raise ValueError(f"cost_class must be 'simple' or 'transcendental', got {cost_class!r}")
+    VECTOR_OPS[name] = VectorOpDef(name, fn, cost_class, num_inputs, flops)
+
+
+def register_reduction(
+    name: str, fn: Callable[[torch.Tensor, int], torch.Tensor], identity: float
+) -> None:
+    REDUCTIONS[name] = ReductionDef(name, fn, identity)
+
+
+def vector_op(name: str) -> VectorOpDef:
+    try:
+        return VECTOR_OPS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown vector op {name!r}; known: {', '.join(sorted(VECTOR_OPS))}. "
+            f"Add it with torch_spyre.sim.ops.register_op."
+        ) from None
+
+
+def reduction(name: str) -> ReductionDef:
+    try:
+        return REDUCTIONS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown reduction {name!r}; known: {', '.join(sorted(REDUCTIONS))}"
+        ) from None
+
+
+_S, _T = "simple", "transcendental"
+for _name, _fn, _cls, _n in [
+    ("add", torch.add, _S, 2),
+    ("sub", torch.sub, _S, 2),
+    ("mul", torch.mul, _S, 2),
+    ("maximum", torch.maximum, _S, 2),
+    ("minimum", torch.minimum, _S, 2),
+    ("div", torch.div, _T, 2),  # a reciprocal (transcendental class) + mul
+    ("neg", torch.neg, _S, 1),
+    ("abs", torch.abs, _S, 1),
+    ("relu", torch.relu, _S, 1),
+    ("square", torch.square, _S, 1),
+    ("copy", lambda x: x, _S, 1),
+    ("exp", torch.exp, _T, 1),
+    ("log", torch.log, _T, 1),
+    ("tanh", torch.tanh, _T, 1),
+    ("sigmoid", torch.sigmoid, _T, 1),
+    ("silu", torch.nn.functional.silu, _T, 1),
+    ("gelu", torch.nn.functional.gelu, _T, 1),
+    ("sqrt", torch.sqrt, _T, 1),
+    ("rsqrt", torch.rsqrt, _T, 1),
+    ("reciprocal", torch.reciprocal, _T, 1),
+    # with one scalar after the tensor: x + s, x * s, ...
+    ("add_scalar", torch.add, _S, 1),
+    ("mul_scalar", torch.mul, _S, 1),
+    ("pow_scalar", torch.pow, _T, 1),
+]:
+    register_op(_name, _fn, _cls, _n)
+
+register_reduction("sum", lambda x, d: x.sum(d), 0.0)
+register_reduction("max", lambda x, d: x.amax(d), -math.inf)
+register_reduction("min", lambda x, d: x.amin(d), math.inf)
