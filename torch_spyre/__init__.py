@@ -14,6 +14,10 @@ from torch_spyre.runtime import registration as _registration
 
 _registration.register()
 
+from torch_spyre import ops as _ops  # noqa: E402
+
+_ops.register()
+
 from torch_spyre.layout import SUPPORTED_DTYPES, SpyreTensorLayout  # noqa: E402
 from torch_spyre.runtime.fallback import (  # noqa: E402
     fallback_counts,

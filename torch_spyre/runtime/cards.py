@@ -49,4 +49,10 @@ def config(index: int = 0) -> HardwareConfig:
 def record_transfer(index: int, kind: str, nbytes: int) -> None:
     """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
     rec = card(index).record_transfer(kind, nbytes)
-    _C._advance_clock(index, rec.time_s)
+    advance_clock(index, rec.time_s)
+
+
+def advance_clock(index: int, seconds: float) -> None:
+    """Mirror the card's modelled clock into the C++ device, where events read it
+    (torch.Event timing runs in C++ and cannot call into Python)."""
+    _C._advance_clock(index, seconds)

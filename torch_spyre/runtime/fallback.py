@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import Counter
 from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_spyre.runtime import access, cards
+from torch_spyre.runtime import access, cards, dispatch_stats
 
 _POLICIES = ("warn", "silent", "error")
-_counts: Counter[str] = Counter()
 _warned: set[str] = set()
 _policy = os.environ.get("TORCH_SPYRE_FALLBACK", "warn")
 
@@ -61,11 +59,11 @@ def fallback_policy(policy: str):
 
 def fallback_counts() -> dict[str, int]:
     """How many times each op ran through the host fallback."""
-    return dict(_counts)
+    return dispatch_stats.counts("fallback")
 
 
 def reset_fallback_counts() -> None:
-    _counts.clear()
+    dispatch_stats.reset("fallback")
     _warned.clear()
 
 
@@ -155,7 +153,7 @@ def host_fallback(op, *args, **kwargs):
             f"(or TORCH_SPYRE_FALLBACK=warn) to run it on the host, or move the "
             f"tensors to the CPU for this op."
         )
-    _counts[name] += 1
+    dispatch_stats.record("fallback", name)
     if _policy == "warn" and name not in _warned:
         _warned.add(name)
         warnings.warn(

@@ -15,7 +15,7 @@ def register() -> None:
     # the C++ extension registers the allocator, guard, hooks, generator and
     # the metadata-only kernels when it is loaded
     from torch_spyre import _C  # noqa: F401
-    from torch_spyre.runtime import cards, copies, device_module, fallback, printing
+    from torch_spyre.runtime import cards, copies, device_module, printing
 
     torch.utils.rename_privateuse1_backend("spyre")
     torch._register_device_module("spyre", device_module)
@@ -37,9 +37,7 @@ def register() -> None:
     # No extension point exists for per-device Tensor methods; IBM's stack
     # adds this one the same way, so user code is portable between the two.
     torch.Tensor.device_tensor_layout = _device_tensor_layout
-    everything = torch.library.Library("_", "IMPL")
-    everything.fallback(fallback.host_fallback, "PrivateUse1")
-    _libs.extend([aten, everything])
+    _libs.append(aten)
     _done = True
 
 

@@ -1,0 +1,253 @@
+"""The op-coverage tool: its quick subset runs, and it classifies ops correctly.
+
+The full OpInfo run is not a unit test (minutes); ``python -m
+torch_spyre.tools.opcheck`` regenerates docs/op-coverage.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import torch_spyre
+from torch_spyre.runtime import dispatch_stats
+from torch_spyre.tools import opcheck
+from torch_spyre.tools.opcheck import OpResult, classify
+
+# --- fake OpInfo entries: exactly the surface the tool uses ----------------------
+
+
+class _Sample:
+    def __init__(self, input: Any, *args: Any, **kwargs: Any) -> None:
+        self.input, self.args, self.kwargs = input, args, kwargs
+
+
+class FakeOp:
+    """A stand-in OpInfo: name, dtypes, samples, call."""
+
+    def __init__(self, name: str, fn, samples=None, dtypes=(torch.float32,)) -> None:
+        self.name, self.variant_test_name, self.aten_name = name, "", name
+        self._fn, self._dtypes = fn, dtypes
+        self._samples = samples or (lambda dtype: [_Sample(torch.randn(4, 3, dtype=dtype))])
+
+    def supported_dtypes(self, device_type: str):
+        return set(self._dtypes)
+
+    def sample_inputs(self, device: str, dtype: torch.dtype):
+        return iter(self._samples(dtype))
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+
+def _on_spyre(x: torch.Tensor) -> bool:
+    return x.device.type == "spyre"
+
+
+# A custom op with only a CPU kernel: on spyre it can only be served by the
+# host fallback, whatever kernels the project grows.
+@torch.library.custom_op("opcheck_test::host_only", mutates_args=(), device_types="cpu")
+def _host_only(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def _run(op: FakeOp) -> OpResult:
+    [result] = opcheck.run_in_process([op])
+    return result
+
+
+# --- the quick subset, in this process ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_results() -> list[OpResult]:
+    ops = opcheck.select_ops(opcheck.load_op_db(), quick=True)
+    return opcheck.run_in_process(ops, max_samples=opcheck.QUICK_MAX_SAMPLES)
+
+
+def test_quick_subset_gives_a_result_per_op(quick_results):
+    keys = [r.key for r in quick_results]
+    assert sorted(keys) == sorted(opcheck.QUICK_OPS)
+    for r in quick_results:
+        # every quick op has runnable samples and nothing took the process down
+        assert r.path not in (opcheck.CRASH, opcheck.EXCLUDED), (r.key, r.first_failure)
+        assert r.samples > 0 and r.passed + r.failed == r.samples
+        assert r.path in opcheck.ORDER
+
+
+def test_quick_classification_agrees_with_dispatch_stats(quick_results):
+    for r in quick_results:
+        if r.passed < r.samples:
+            assert r.path == opcheck.FAILS and r.first_error, r.key
+        elif r.dispatch.get("fallback"):
+            assert r.path == opcheck.FALLBACK, r.key
+        elif r.dispatch.get("adapter"):
+            assert r.path == opcheck.ADAPTER, r.key
+        else:
+            assert r.path == opcheck.KERNEL, r.key
+
+
+def test_quick_random_and_uninitialized_ops_compare_metadata_only(quick_results):
+    by_key = {r.key: r for r in quick_results}
+    for key in ("rand_like", "nn.functional.dropout", "empty_like"):
+        assert not by_key[key].values_compared, key
+    assert by_key["add"].values_compared
+
+
+def test_report_renders(quick_results, tmp_path):
+    text = opcheck.render_markdown(quick_results, opcheck.DEFAULT_DTYPES)
+    assert text.startswith("# Op coverage on spyre")
+    assert "eps = 2^-10" in text  # the tolerance justification travels with the numbers
+    assert "passing on device kernels or adapters" in text
+    for r in quick_results:
+        assert f"| {r.name} | {r.variant} |" in text
+    table = opcheck.format_table(quick_results)
+    assert table.splitlines()[0].split()[:6] == ["op", "variant", "samples", "passed"] + [
+        "skipped",
+        "path",
+    ]
+
+
+# --- classification -------------------------------------------------------------------
+
+
+def _result(samples: int, passed: int, **dispatch: dict[str, int]) -> OpResult:
+    return OpResult("fake", samples=samples, passed=passed, dispatch=dict(dispatch))
+
+
+def test_classify_cases():
+    assert classify(_result(3, 3, kernel={"add.Tensor": 3})) == opcheck.KERNEL
+    assert classify(_result(2, 2)) == opcheck.KERNEL  # views: metadata only
+    assert classify(_result(3, 3, kernel={"a": 1}, adapter={"sin": 3})) == opcheck.ADAPTER
+    assert (
+        classify(_result(3, 3, kernel={"a": 1}, adapter={"b": 1}, fallback={"c": 1}))
+        == opcheck.FALLBACK
+    )
+    assert classify(_result(3, 2, kernel={"a": 3})) == opcheck.FAILS
+    assert classify(_result(3, 2, fallback={"a": 3})) == opcheck.FAILS
+    assert classify(_result(0, 0)) == opcheck.EXCLUDED
+    crashed = _result(0, 0)
+    crashed.crashed = "worker killed by SIGSEGV"
+    assert classify(crashed) == opcheck.CRASH
+
+
+def test_op_without_spyre_kernel_is_host_fallback():
+    op = FakeOp("host_only", lambda x: torch.ops.opcheck_test.host_only(x))
+    r = _run(op)
+    assert r.path == opcheck.FALLBACK, r.first_failure
+    assert r.passed == r.samples == 1
+    assert any("host_only" in aten for aten in r.dispatch["fallback"])
+
+
+def test_view_op_is_device_kernel():
+    r = _run(FakeOp("t", lambda x: x.t()))
+    assert r.path == opcheck.KERNEL and r.passed == 1 and not r.dispatch
+
+
+def test_wrong_values_fail_with_the_mismatch():
+    r = _run(FakeOp("off_by_one", lambda x: x + 1 if _on_spyre(x) else x.clone()))
+    assert r.path == opcheck.FAILS and r.failed == 1
+    assert "not close" in r.first_error and "fp32 sample 0" in r.first_error_at
+
+
+def test_an_exception_fails_the_sample_only():
+    def boom(x):
+        if _on_spyre(x):
+            raise RuntimeError("boom: spyre cannot")
+        return x.clone()
+
+    r = _run(FakeOp("boom", boom))
+    assert r.path == opcheck.FAILS and r.first_error == "RuntimeError: boom: spyre cannot"
+    assert r.raised == 1
+
+
+def test_copy_instead_of_view_is_an_aliasing_failure():
+    r = _run(FakeOp("flat", lambda x: x.reshape(-1).clone() if _on_spyre(x) else x.view(-1)))
+    assert r.path == opcheck.FAILS
+    assert "a new tensor on spyre, a view of argument 0 on cpu" in r.first_error
+
+
+def test_unwritten_argument_fails():
+    # an in-place op whose write does not reach the device
+    r = _run(FakeOp("lost_write", lambda x: x.clone() if _on_spyre(x) else x.mul_(2)))
+    assert r.path == opcheck.FAILS
+    assert "after the op" in r.first_error or "view of argument" in r.first_error
+
+
+def test_random_values_are_not_compared():
+    r = _run(FakeOp("noise", lambda x: torch.rand_like(x) + x))
+    assert r.path != opcheck.FAILS, r.first_failure
+    assert not r.values_compared
+
+
+def test_unsupported_dtype_samples_are_skipped():
+    samples = lambda dtype: [  # noqa: E731
+        _Sample(torch.randn(3, dtype=torch.float64)),
+        _Sample(torch.randn(3, dtype=dtype)),
+    ]
+    r = _run(FakeOp("neg", torch.neg, samples))
+    assert r.skipped == 1 and r.skip_reasons == {"needs float64": 1}
+    assert r.samples == 1 and r.passed == 1
+
+
+def test_fallback_policy_is_silent_during_the_run_and_restored():
+    torch_spyre.set_fallback_policy("error")
+    try:
+        r = _run(FakeOp("host_only", lambda x: torch.ops.opcheck_test.host_only(x)))
+        assert r.path == opcheck.FALLBACK
+        assert torch_spyre.get_fallback_policy() == "error"
+    finally:
+        torch_spyre.set_fallback_policy("warn")
+    dispatch_stats.reset()
+
+
+# --- crash isolation ------------------------------------------------------------------
+
+
+def test_a_crash_is_reported_and_the_run_goes_on():
+    def abort(x):
+        if _on_spyre(x):
+            os.abort()  # what a segfault in a kernel would look like
+        return x.clone()
+
+    ops = [FakeOp("aborts", abort), FakeOp("t", lambda x: x.t())]
+    crashed, fine = opcheck.run_in_workers(ops, jobs=1, timeout_s=60)
+    assert crashed.path == opcheck.CRASH
+    assert "SIGABRT" in crashed.first_error and "fp32 sample 0" in crashed.first_error_at
+    assert fine.path == opcheck.KERNEL and fine.passed == 1
+
+
+def test_workers_give_the_same_results_as_in_process():
+    ops = opcheck.select_ops(opcheck.load_op_db(), "add,nn\\.functional\\.relu,sum")
+    assert [op.name for op in ops] == ["add", "nn.functional.relu", "sum"]
+    here = opcheck.run_in_process(ops, max_samples=2)
+    there = opcheck.run_in_workers(ops, max_samples=2, jobs=2)
+    assert [(r.key, r.path, r.samples, r.passed) for r in here] == [
+        (r.key, r.path, r.samples, r.passed) for r in there
+    ]
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def test_cli_writes_report_only_where_asked(tmp_path, capsys):
+    out = tmp_path / "cov.md"
+    assert opcheck.main(["--ops", "neg", "--jobs", "0", "-q", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "passing on spyre: 1 (100.0%)" in printed or "fails" in printed
+    assert "| neg |" in out.read_text()
+
+
+def test_cli_parses_dtypes():
+    assert opcheck.parse_dtypes("fp16,float32") == [torch.float16, torch.float32]
+    with pytest.raises(Exception, match="unknown dtype"):
+        opcheck.parse_dtypes("float64")
+
+
+def test_universe_excludes_families():
+    keys = {opcheck.op_key(op) for op in opcheck.select_ops(opcheck.load_op_db())}
+    assert "add" in keys and "nn.functional.gelu" in keys
+    assert not any(k.split(".")[0] in opcheck.EXCLUDED_FAMILIES for k in keys)

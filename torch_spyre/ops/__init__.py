@@ -1,0 +1,17 @@
+"""Eager aten ops on spyre as kernel programs on the card (see dispatch.py)."""
+
+from __future__ import annotations
+
+import torch
+
+_libs: list[torch.library.Library] = []
+
+
+def register() -> None:
+    if _libs:
+        return
+    from torch_spyre.ops import dispatch, reductions  # noqa: F401  (registers kernels)
+
+    everything = torch.library.Library("_", "IMPL")
+    everything.fallback(dispatch.catch_all, "PrivateUse1")
+    _libs.append(everything)

@@ -1,0 +1,72 @@
+"""The kernel cache and the launch of kernel programs on a card.
+
+A kernel is built once per key (op, shapes, dtypes, static arguments): its
+program, the output metadata, and its modelled report per card.  A warm
+launch only binds device memory and runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torch_spyre.ops import operands
+from torch_spyre.runtime import cards
+from torch_spyre.sim import KernelReport, Program
+
+
+@dataclass
+class Kernel:
+    program: Program
+    #: what the producer needs again on a warm call (output shape, dtype, ...)
+    info: dict[str, Any] = field(default_factory=dict)
+    _reports: dict[int, KernelReport] = field(default_factory=dict)
+
+    def report(self, device: int) -> KernelReport:
+        rep = self._reports.get(device)
+        if rep is None:
+            rep = self._reports[device] = cards.card(device).estimate(self.program)
+        return rep
+
+    def launch(self, tensors: dict[str, torch.Tensor]) -> KernelReport:
+        """Run on the card of the operands; ``tensors`` are whole spyre tensors."""
+        device = next(iter(tensors.values())).device.index
+        buffers = {name: operands.device_memory(t) for name, t in tensors.items()}
+        rep = cards.card(device).run(self.program, buffers, self.report(device))
+        cards.advance_clock(device, rep.time_s)
+        return rep
+
+    def model_only(self, device: int) -> KernelReport:
+        """Model the program on the card; the caller computed the result itself."""
+        rep = cards.card(device).run(self.program, None, self.report(device))
+        cards.advance_clock(device, rep.time_s)
+        return rep
+
+
+_cache: dict[Any, Kernel] = {}
+_stats = {"hits": 0, "misses": 0}
+
+
+def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
+    k = _cache.get(key)
+    if k is None:
+        _stats["misses"] += 1
+        k = build()
+        if len(_cache) > 8192:
+            _cache.clear()
+        _cache[key] = k
+    else:
+        _stats["hits"] += 1
+    return k
+
+
+def cache_info() -> dict[str, int]:
+    return {**_stats, "size": len(_cache)}
+
+
+def clear_cache() -> None:
+    _cache.clear()
+    _stats.update(hits=0, misses=0)

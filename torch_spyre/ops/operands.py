@@ -1,0 +1,47 @@
+"""Spyre tensors as kernel operands: whole tensors in the default stick layout.
+
+A kernel program reads and writes whole operands through their layouts.  A
+tensor that already is its storage's whole base in the default layout is used
+in place (no copy); anything else (a strided view, a dtype view, a linear
+storage) is first re-laid on the card into a fresh tensor, which is modelled
+as a device-to-device DMA of its sticks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.runtime import access, cards
+
+
+def is_whole_default(t: torch.Tensor) -> bool:
+    """True when ``t`` is all of its storage, in the default stick layout."""
+    if t.storage_offset() != 0 or not t.is_contiguous():
+        return False
+    lay = access.storage_layout(t)
+    return lay.dtype == t.dtype and lay.host_size == tuple(t.shape)
+
+
+def relaid(t: torch.Tensor) -> torch.Tensor:
+    """A fresh default-layout copy of ``t`` made on the card (a restickify DMA)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.numel():
+        access.write(out, access.read(t))
+        cards.record_transfer(t.device.index, "d2d", access.device_nbytes(out))
+    return out
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t if is_whole_default(t) else relaid(t)
+
+
+def operand_layout(t: torch.Tensor) -> SpyreTensorLayout:
+    """The layout a program sees for whole tensor ``t`` (scalars as 1-element vectors,
+    which have the same device bytes)."""
+    return SpyreTensorLayout.default(tuple(t.shape) or (1,), t.dtype)
+
+
+def device_memory(t: torch.Tensor) -> torch.Tensor:
+    """The device memory of whole tensor ``t`` (see access.device_tensor)."""
+    return access.device_tensor(t)

@@ -1,0 +1,230 @@
+"""Every pointwise aten op as one vector-unit kernel program.
+
+PyTorch tags its elementwise ops ``torch.Tag.pointwise``; each such op with
+tensor inputs of one output runs here: the tensor arguments become program
+operands (broadcast by the program), every other argument (numbers, wrapped
+0-dim host tensors, strings like ``approximate='tanh'``) is bound into the
+vector op the program names.  The vector unit computes 16-bit inputs in fp32
+and rounds once, like the CPU reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torch_spyre.ops import launch, operands, programs
+from torch_spyre.sim import ops as sim_ops
+from torch_spyre.sim.ops import VECTOR_OPS
+
+# Ops the vector unit evaluates with its transcendental path (a table lookup /
+# iteration per element); everything else is one simple vector operation.
+TRANSCENDENTAL = {
+    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc",
+    "erfinv", "sqrt", "rsqrt", "reciprocal", "div", "pow", "silu", "gelu", "elu", "selu",
+    "celu", "mish", "softplus", "logit", "atan", "atan2", "asinh", "acosh", "atanh", "sinh",
+    "cosh", "asin", "acos", "lgamma", "digamma", "polygamma", "hardswish", "log_sigmoid_forward",
+    "xlogy", "logaddexp", "logaddexp2", "true_divide", "fmod", "remainder", "i0", "sinc",
+    "igamma", "igammac", "nextafter", "frexp", "ldexp", "hypot", "copysign",
+}  # fmt: skip
+
+
+def _base(op) -> str:
+    return op._schema.name.split("::")[-1].rstrip("_")
+
+
+def is_pointwise(op) -> bool:
+    return torch.Tag.pointwise in op.tags
+
+
+class _Slot:
+    """Where a tensor operand sits in the call template."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<in{self.i}>"
+
+
+def _static_repr(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):  # a wrapped host scalar
+        return ("tensor", v.dtype, v.item())
+    if isinstance(v, float) and math.isnan(v):
+        return ("nan",)
+    return v
+
+
+def _register_vector_op(op, flat_template, spec, key) -> str:
+    name = f"aten.{op}:{hash(key) & 0xFFFFFFFFFFFF:x}"
+    if name in VECTOR_OPS:
+        return name
+    slots = [i for i, v in enumerate(flat_template) if isinstance(v, _Slot)]
+
+    def fn(*tensors: torch.Tensor) -> torch.Tensor:
+        flat = list(flat_template)
+        for pos, t in zip(slots, tensors):
+            flat[pos] = t
+        args, kwargs = tree_unflatten(flat, spec)
+        return op(*args, **kwargs)
+
+    cost = "transcendental" if _base(op) in TRANSCENDENTAL else "simple"
+    sim_ops.register_op(name, fn, cost, len(slots))
+    return name
+
+
+def run(op, args: tuple, kwargs: dict) -> Any:
+    """Run pointwise ``op`` as a device kernel; NotImplemented if it can't be."""
+    schema = op._schema
+    if len(schema.returns) != 1:
+        return NotImplemented
+    out_arg = None
+    mutable = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if len(mutable) > 1:
+        return NotImplemented
+    if mutable:
+        out_name = mutable[0].name
+        if out_name in kwargs:
+            out_arg = kwargs[out_name]
+        else:
+            idx = [a.name for a in schema.arguments].index(out_name)
+            out_arg = args[idx]
+    # the call with the *values* of the inputs: out= goes, the op is functional
+    call_kwargs = dict(kwargs)
+    call_args = list(args)
+    if mutable and mutable[0].kwarg_only:
+        call_kwargs.pop(mutable[0].name, None)
+        func = _functional(op)
+        if func is None:
+            return NotImplemented
+    elif mutable:  # in-place: self is written; compute the functional op
+        func = _functional(op)
+        if func is None:
+            return NotImplemented
+    else:
+        func = op
+    flat, spec = tree_flatten((tuple(call_args), call_kwargs))
+    tensors: list[torch.Tensor] = []
+    template: list[Any] = []
+    device = None
+    for v in flat:
+        if isinstance(v, torch.Tensor) and v.device.type == "spyre":
+            if device is not None and v.device != device:
+                return NotImplemented
+            device = v.device
+            template.append(_Slot(len(tensors)))
+            tensors.append(v)
+        elif isinstance(v, torch.Tensor):
+            if v.dim() != 0:
+                return NotImplemented  # a host tensor that isn't a scalar
+            template.append(v)
+        else:
+            template.append(v)
+    if not tensors:
+        return NotImplemented
+    key = (
+        "pw",
+        func,
+        tuple((tuple(t.shape), t.dtype) for t in tensors),
+        tuple(_static_repr(v) for v in template if not isinstance(v, _Slot)),
+        spec,
+    )
+    k = launch.kernel(key, lambda: _build(func, template, spec, tensors, key))
+    if k.program is None and not k.info:
+        return NotImplemented
+    shape, dtype = k.info["shape"], k.info["dtype"]
+    if out_arg is not None and tuple(out_arg.shape) != shape:
+        if mutable and not mutable[0].kwarg_only:
+            return NotImplemented  # in-place that would resize self: PyTorch's error
+        out_arg.resize_(shape)
+    if k.info["empty"]:
+        return out_arg if out_arg is not None else torch.empty(shape, dtype=dtype, device=device)
+    bind = {f"in{i}": operands.whole(t) for i, t in enumerate(tensors)}
+    # out may alias an input: the executor loads every input before it stores
+    direct = out_arg is not None and operands.is_whole_default(out_arg)
+    out = out_arg if direct else torch.empty(shape, dtype=dtype, device=device)
+    bind["out"] = out
+    k.launch(bind)
+    if out_arg is not None and not direct:
+        out_arg.copy_(out)
+        return out_arg
+    return out
+
+
+def _build(func, template, spec, tensors, key) -> launch.Kernel:
+    """Output metadata (from the op's meta kernel) and the program."""
+    metas = iter([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors])
+    flat = [next(metas) if isinstance(v, _Slot) else v for v in template]
+    margs, mkwargs = tree_unflatten(flat, spec)
+    try:
+        out_meta = func(*margs, **mkwargs)
+    except Exception:
+        return launch.Kernel(None)  # type: ignore[arg-type]  # PyTorch raises the error itself
+    if not isinstance(out_meta, torch.Tensor) or out_meta.dtype not in _STORED:
+        return launch.Kernel(None)  # type: ignore[arg-type]
+    shape = tuple(out_meta.shape)
+    info = {
+        "shape": shape,
+        "dtype": out_meta.dtype,
+        "empty": math.prod(shape) == 0 or any(t.numel() == 0 for t in tensors),
+    }
+    if info["empty"]:
+        return launch.Kernel(None, info)  # type: ignore[arg-type]
+    vop = _register_vector_op(func, template, spec, key)
+    program = programs.pointwise(
+        vop,
+        shape,
+        out_meta.dtype,
+        [(tuple(t.shape), t.dtype) for t in tensors],
+        name=f"{_base(func)}_{'x'.join(map(str, shape)) or 'scalar'}",
+    )
+    return launch.Kernel(program, info)
+
+
+_STORED = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+}
+
+
+def _functional(op):
+    """The functional overload of an in-place or out= op (add_.Tensor / add.out ->
+    add.Tensor): the overload of the base name whose arguments are the op's
+    arguments less the written ones."""
+    key = op
+    if key in _functional_cache:
+        return _functional_cache[key]
+    want = [
+        (a.name, str(a.type))
+        for a in op._schema.arguments
+        if a.alias_info is None or not a.alias_info.is_write
+    ]
+    if not op._schema.arguments[0].kwarg_only and op._schema.arguments[0].alias_info is not None:
+        want.insert(0, ("self", "Tensor"))  # in-place: self is read as well as written
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1].rstrip("_"), None)
+    found = None
+    for name in packet.overloads() if packet is not None else ():
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+            continue
+        if [(a.name, str(a.type)) for a in args] == want:
+            found = cand
+            break
+    _functional_cache[key] = found
+    return found
+
+
+_functional_cache: dict = {}

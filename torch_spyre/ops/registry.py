@@ -1,0 +1,52 @@
+"""Registration of explicit spyre kernels for aten overloads (torch.library)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from torch_spyre.runtime import dispatch_stats
+
+_lib: torch.library.Library | None = None
+#: aten overload name -> kernel, for everything registered here
+KERNELS: dict[str, Callable] = {}
+
+
+def _library() -> torch.library.Library:
+    global _lib
+    if _lib is None:
+        _lib = torch.library.Library("aten", "IMPL")
+    return _lib
+
+
+def kernel(*names: str, path: str = "kernel"):
+    """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads.
+
+    ``fn(*args, **kwargs)`` may return NotImplemented for inputs it does not
+    serve; those then go through the host fallback, counted as such.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        for name in names:
+            op = _overload(name)
+
+            def impl(*args, _fn=fn, _name=name, _op=op, **kwargs):
+                result = _fn(*args, **kwargs)
+                if result is NotImplemented:
+                    from torch_spyre.runtime.fallback import host_fallback
+
+                    return host_fallback(_op, *args, **kwargs)
+                dispatch_stats.record(path, _name)
+                return result
+
+            _library().impl(name.removesuffix(".default"), impl, "PrivateUse1")
+            KERNELS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _overload(name: str):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")

@@ -1,0 +1,160 @@
+"""The simulated card: validates, executes and times kernels, models copies.
+
+Each card keeps a modelled clock: kernels and transfers run one after another
+(the runtime launches synchronously), so a record starts where the previous
+one ended.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_spyre.sim import trace
+from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.executor import execute
+from torch_spyre.sim.program import Program
+from torch_spyre.sim.timing import KernelReport, estimate
+
+MAX_CARDS = 8
+TRANSFER_KINDS = ("h2d", "d2h", "d2d")
+
+
+@dataclass
+class CardStats:
+    kernels: int = 0
+    kernel_time_s: float = 0.0
+    transfers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
+    transfer_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
+    transfer_time_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0)
+    )
+
+
+class SimulatedCard:
+    def __init__(self, index: int = 0, config: HardwareConfig | None = None) -> None:
+        if not 0 <= index < MAX_CARDS:
+            raise ValueError(f"card index must be 0..{MAX_CARDS - 1}, got {index}")
+        self.index = index
+        self.config = config or HardwareConfig.from_env()
+        self.clock_s = 0.0
+        self._stats = CardStats()
+        self._lock = threading.Lock()
+        # timing depends only on (program, config): cache it per program
+        self._reports: dict[str, KernelReport] = {}
+
+    def __repr__(self) -> str:
+        return f"SimulatedCard(index={self.index}, clock_s={self.clock_s:.6g})"
+
+    # ------------------------------------------------------------ kernels
+    def estimate(self, program: Program) -> KernelReport:
+        """Validate and time ``program`` without running it or advancing the clock."""
+        key = program.to_json()
+        rep = self._reports.get(key)
+        if rep is None:
+            program.validate(self.config)
+            rep = estimate(program, self.config)
+            if len(self._reports) > 4096:
+                self._reports.clear()
+            self._reports[key] = rep
+        return rep
+
+    def run(
+        self,
+        program: Program,
+        buffers: dict[str, torch.Tensor] | None = None,
+        report: KernelReport | None = None,
+    ) -> KernelReport:
+        """Validate, execute on ``buffers`` (None: time only), time, advance the clock.
+
+        ``report``: this card's ``estimate(program)``, when the caller cached it
+        (eager ops launch the same program many times; keying the card's own
+        cache serialises the program on every launch).
+        """
+        rep = report or self.estimate(program)
+        if buffers is not None:
+            execute(program, buffers, validate=False)
+        with self._lock:
+            start = self.clock_s
+            self.clock_s += rep.time_s
+            self._stats.kernels += 1
+            self._stats.kernel_time_s += rep.time_s
+        trace.emit(trace.KernelRecord(self.index, start, rep))
+        return rep
+
+    # ---------------------------------------------------------- transfers
+    def transfer_time(self, kind: str, nbytes: int) -> float:
+        cfg = self.config
+        if kind in ("h2d", "d2h"):
+            # PCIe Gen5 x16, one direction: fixed latency + bytes at link rate
+            return cfg.pcie_latency_s + nbytes / cfg.pcie_bandwidth_Bps
+        if kind == "d2d":
+            # a DMA that reads and writes LPDDR5: both directions use its bandwidth
+            return cfg.dma_setup_cycles / cfg.clock_hz + 2 * nbytes / cfg.sustained_bandwidth_Bps
+        raise ValueError(f"transfer kind must be one of {TRANSFER_KINDS}, got {kind!r}")
+
+    def record_transfer(self, kind: str, nbytes: int) -> trace.TransferRecord:
+        if nbytes < 0:
+            raise ValueError(f"transfer of {nbytes} bytes")
+        t = self.transfer_time(kind, int(nbytes))
+        with self._lock:
+            start = self.clock_s
+            self.clock_s += t
+            st = self._stats
+            st.transfers[kind] += 1
+            st.transfer_bytes[kind] += int(nbytes)
+            st.transfer_time_s[kind] += t
+        rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t)
+        trace.emit(rec)
+        return rec
+
+    # -------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        st = self._stats
+        return {
+            "card": self.index,
+            "clock_s": self.clock_s,
+            "kernels": st.kernels,
+            "kernel_time_s": st.kernel_time_s,
+            "transfers": dict(st.transfers),
+            "transfer_bytes": dict(st.transfer_bytes),
+            "transfer_time_s": dict(st.transfer_time_s),
+        }
+
+    def reset(self) -> None:
+        """Zero the clock and the counters (the config stays)."""
+        with self._lock:
+            self.clock_s = 0.0
+            self._stats = CardStats()
+
+
+_cards: dict[int, SimulatedCard] = {}
+_cards_lock = threading.Lock()
+
+
+def get_card(index: int = 0) -> SimulatedCard:
+    """The process-wide card ``index``, built from ``HardwareConfig.from_env()`` on first use."""
+    if not 0 <= index < MAX_CARDS:
+        raise ValueError(f"card index must be 0..{MAX_CARDS - 1}, got {index}")
+    with _cards_lock:
+        card = _cards.get(index)
+        if card is None:
+            card = _cards[index] = SimulatedCard(index, _override or HardwareConfig.from_env())
+        return card
+
+
+_override: HardwareConfig | None = None
+
+
+def reset_cards(config: HardwareConfig | None = None) -> None:
+    """Forget every card; the next ``get_card`` builds it from ``config`` or the environment.
+
+    For tests and design studies.  The runtime must not hold device memory of
+    the old cards when their capacity changes.
+    """
+    global _override
+    with _cards_lock:
+        _cards.clear()
+        _override = config

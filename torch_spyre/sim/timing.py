@@ -1,0 +1,435 @@
+"""The timing model: modelled cycles of a kernel program on a configured card.
+
+Closed form per tile loop, never per element and never per tile instance:
+
+* Each step's work over a core's tile loops is a product of per-dim factors
+  (a tile count, elements or sticks per tile summed over the tiles of a dim),
+  so totals come from sums over one dim at a time.
+* Per core, four units run concurrently: the DMA engine (loads and stores,
+  ``dma_setup_cycles`` each plus bytes at the core's share of bandwidth), the
+  PE arrays (matmul tiles), the vector units (elementwise and reductions, by
+  cost class) and the ring port.  When every buffer moved inside the tile
+  loops is double buffered, the loop body is a pipeline over ``n`` iterations:
+  ``T = max_u B_u + (sum_u B_u - max_u B_u) / n`` (one iteration of fill and
+  drain, then the busiest unit sets the pace).  Otherwise steps serialise:
+  ``T = sum_u B_u``.  Steps outside every loop run serially around the loop.
+* All cores using memory share its sustained bandwidth evenly; a core's DMA
+  engine never exceeds ``dma_bytes_per_cycle``.
+* Kernel time = launch overhead + the slowest core.
+
+Deterministic: pure arithmetic on the program and the config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from torch_spyre.sim import ops as ops_mod
+from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.program import (
+    Load,
+    Matmul,
+    Program,
+    Reduce,
+    RingAllReduce,
+    Step,
+    Store,
+    Vector,
+)
+
+UNITS = ("dma", "pe", "vector", "ring")
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    name: str
+    time_s: float
+    cycles: int
+    cores_used: int
+    #: per unit, busy seconds of each used core (core id order)
+    busy_s: dict[str, tuple[float, ...]]
+    #: per core, seconds from kernel start (after launch) to that core's end
+    core_time_s: tuple[float, ...]
+    #: mean over used cores of compute busy (max of PE, vector) / kernel time
+    utilisation: float
+    dram_bytes: int
+    #: bytes the kernel must move at least: every operand once
+    compulsory_bytes: int
+    ring_bytes: int
+    flops: float
+    vector_ops: float
+    bottleneck: str
+    roofline_time_s: float
+    attainment: float
+    launch_s: float
+    dtype: str = "float16"
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / max(self.compulsory_bytes, 1)
+
+    def summary(self) -> str:
+        return (
+            f"{self.name}: {self.time_s * 1e6:.2f} us ({self.cycles} cycles) on "
+            f"{self.cores_used} cores, {self.bottleneck}-bound, util {self.utilisation:.0%}, "
+            f"roofline {self.roofline_time_s * 1e6:.2f} us (attainment {self.attainment:.0%}), "
+            f"{self.dram_bytes / 1e6:.3f} MB device memory, {self.flops / 1e9:.3f} GFLOP"
+        )
+
+
+# ------------------------------------------------------------ per-dim sums
+def _tile_lengths(extent: int, tile: int) -> tuple[int, int, int]:
+    """(tiles, full tiles, length of the last partial tile or 0)."""
+    if extent <= 0:
+        return 0, 0, 0
+    n = -(-extent // tile)
+    rem = extent - (n - 1) * tile
+    return (n, n, 0) if rem == tile else (n, n - 1, rem)
+
+
+def _sum_over_tiles(extent: int, tile: int, f) -> float:
+    n, full, rem = _tile_lengths(extent, tile)
+    return full * f(tile) + (f(rem) if rem else 0)
+
+
+def _stick_sum(start: int, extent: int, tile: int, se: int) -> int:
+    """Sticks touched along the stick dim, summed over the tiles of a range."""
+    n, _, _ = _tile_lengths(extent, tile)
+    if start % se == 0 and tile % se == 0:
+        return _sum_over_tiles(extent, tile, lambda n_: -(-n_ // se))
+    total = 0
+    for i in range(n):  # one dim's tiles only, and only for unaligned tiles
+        lo = start + i * tile
+        hi = min(lo + tile, start + extent)
+        total += -(-hi // se) - lo // se
+    return total
+
+
+class _CoreView:
+    """Extents of every dim on one core."""
+
+    def __init__(self, program: Program, coords: dict[str, int]) -> None:
+        self.p = program
+        self.coords = coords
+        self.extent = {
+            d.name: (d.extent_on(coords[d.name]) if d.cores > 1 else d.size) for d in program.dims
+        }
+        self.start = {
+            d.name: (coords[d.name] * d.core_extent if d.cores > 1 else 0) for d in program.dims
+        }
+
+    def tiles(self, dim: str) -> int:
+        return _tile_lengths(self.extent[dim], self.p.dim(dim).tile_size)[0]
+
+    def dim_sum(self, step: Step, dim: str, f=lambda n: n) -> float:
+        """Sum over the step's instances along ``dim`` of f(length)."""
+        e = self.extent[dim]
+        if dim in step.loops:
+            return _sum_over_tiles(e, self.p.dim(dim).tile_size, f)
+        return f(e) if e > 0 else 0
+
+    def count(self, step: Step, dims: tuple[str, ...]) -> float:
+        """Instances of ``step`` per combination of ``dims`` (loops it repeats over)."""
+        return math.prod(self.tiles(d) for d in step.loops if d not in dims)
+
+
+# -------------------------------------------------------------- step costs
+def _itemsize(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
+    """(transfers, bytes) of a load/store on this core."""
+    p = cv.p
+    if isinstance(s, Store):
+        # replicas: only cores at coordinate 0 of split dims missing from the index
+        for d in p.grid:
+            if d.name not in s.index and cv.coords[d.name] != 0:
+                return 0.0, 0.0
+    lay = p.operand(s.operand).layout
+    dims = tuple(d for d in s.index if d is not None)
+    sticks = cv.count(s, dims)
+    se = lay.stick_elems
+    stick_dim = lay.stick_dim if lay.host_size else -1
+    # a size-1 (None) stick dim still costs one whole stick per row
+    for k, d in enumerate(s.index):
+        if d is None:
+            continue
+        if k == stick_dim:
+            t = p.dim(d).tile_size if d in s.loops else cv.extent[d]
+            sticks *= _stick_sum(cv.start[d], cv.extent[d], t, se)
+        else:
+            sticks *= cv.dim_sum(s, d)
+    transfers = math.prod(cv.tiles(d) for d in s.loops)
+    return float(transfers), float(sticks * p.config_stick_bytes)
+
+
+def _vector_sticks(cv: _CoreView, s: Step, dims: tuple[str, ...], lanes: int) -> float:
+    """Vector-unit sticks of a buffer with ``dims`` over the step's instances."""
+    if not dims:
+        return cv.count(s, ())
+    total = cv.count(s, dims)
+    for d in dims[:-1]:
+        total *= cv.dim_sum(s, d)
+    return total * cv.dim_sum(s, dims[-1], lambda n: -(-n // lanes))
+
+
+def _lanes(cfg: HardwareConfig, dtype: torch.dtype) -> int:
+    return max(1, int(cfg.vector_lanes * min(1.0, 2 / _itemsize(dtype))))
+
+
+def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig) -> float:
+    p = cv.p
+    a, b, o = (p.buffer(x) for x in (s.a, s.b, s.out))
+    k = [d for d in a.dims if d in b.dims and d not in o.dims]
+    m = [d for d in a.dims if d not in b.dims]
+    n = [d for d in b.dims if d not in a.dims]
+    batch = [d for d in o.dims if d in a.dims and d in b.dims]
+    involved = tuple(dict.fromkeys(batch + m + n + k))
+    cyc = cv.count(s, involved)
+    # the PE array quantises each role's innermost dim: rows (M), columns
+    # across both corelets (N), lanes (K)
+    for role, q in ((m, cfg.pe_rows), (n, cfg.pe_cols * cfg.corelets_per_core), (k, cfg.pe_lanes)):
+        for i, d in enumerate(role):
+            last = i == len(role) - 1
+            cyc *= cv.dim_sum(s, d, (lambda x, q=q: -(-x // q)) if last else (lambda x: x))
+    for d in batch:
+        cyc *= cv.dim_sum(s, d)
+    rate = {torch.int8: 2.0, torch.uint8: 2.0, torch.float32: 0.25}.get(a.dtype, 1.0)
+    fill = cfg.pe_rows + cfg.pe_cols  # systolic fill and drain per tile
+    instances = math.prod(cv.tiles(d) for d in s.loops)
+    return cyc / rate + fill * instances
+
+
+def _matmul_flops(p: Program, s: Matmul) -> float:
+    a, b, o = (p.buffer(x) for x in (s.a, s.b, s.out))
+    dims = set(a.dims) | set(b.dims) | set(o.dims)
+    return 2.0 * math.prod(p.dim(d).size for d in dims)
+
+
+# ----------------------------------------------------------------- model
+def _core_coords(program: Program, core: int) -> dict[str, int]:
+    coords = {d.name: 0 for d in program.dims}
+    rem = core
+    for d in reversed(program.grid):
+        coords[d.name] = rem % d.cores
+        rem //= d.cores
+    return coords
+
+
+def _group_stride(program: Program, dim: str) -> int:
+    """Core-id distance between neighbours of the group splitting ``dim``."""
+    stride = 1
+    for d in reversed(program.grid):
+        if d.name == dim:
+            return stride
+        stride *= d.cores
+    return stride
+
+
+def estimate(program: Program, config: HardwareConfig | None = None) -> KernelReport:
+    """Model one run of ``program`` on ``config`` (default: the card)."""
+    cfg = config or HardwareConfig()
+    p = _WithStick(program, cfg.stick_bytes)
+    ncores = program.cores_used
+    clock = cfg.clock_hz
+    views = [_CoreView(p, _core_coords(program, c)) for c in range(ncores)]
+    mem_cycles_per_byte = _shared_memory_rates(p, views, cfg)
+    # the innermost loop body is a pipeline if its transfers are double
+    # buffered; a transfer of a single-buffered buffer stalls it (serial)
+    depth = len(p.loop_order)
+    pipelined = depth > 0 and all(
+        p.buffer(s.buffer).double_buffered
+        for s in p.steps
+        if isinstance(s, Load | Store) and len(s.loops) == depth
+    )
+
+    def overlaps(s: Step) -> bool:
+        if not (pipelined and s.loops):
+            return False
+        return not isinstance(s, Load | Store) or p.buffer(s.buffer).double_buffered
+
+    n_iter_inner = None
+    busy = {u: [0.0] * ncores for u in UNITS}
+    core_cycles = [0.0] * ncores
+    overhead = [0.0] * ncores
+    dram_bytes = ring_bytes = 0.0
+    vector_ops = 0.0
+    for c in range(ncores):
+        cv = views[c]
+        loop_b = dict.fromkeys(UNITS, 0.0)
+        serial = 0.0
+        setup = 0.0
+        for s in p.steps:
+            unit, cyc = "dma", 0.0
+            if isinstance(s, Load | Store):
+                n, nbytes = _transfer(cv, s)
+                if isinstance(s, Load) and s.multicast:
+                    # each core of the group reads 1/group, the ring all-gathers
+                    group, stride = p.multicast_group(s)
+                    sent = (group - 1) / group * nbytes
+                    rc = sent / (2 * cfg.ring_bytes_per_cycle) * stride
+                    rc += n * (group // 2) * stride * cfg.ring_hop_cycles
+                    ring_bytes += sent
+                    busy["ring"][c] += rc
+                    if overlaps(s):
+                        loop_b["ring"] += rc
+                    else:
+                        serial += rc
+                    nbytes /= group
+                cyc = n * cfg.dma_setup_cycles + nbytes * mem_cycles_per_byte[c]
+                setup += n * cfg.dma_setup_cycles
+                dram_bytes += nbytes
+            elif isinstance(s, Matmul):
+                unit, cyc = "pe", _matmul_cycles(cv, s, cfg)
+            elif isinstance(s, Vector):
+                out = p.buffer(s.out)
+                od = ops_mod.vector_op(s.op)
+                sticks = _vector_sticks(cv, s, out.dims, _lanes(cfg, out.dtype))
+                unit = "vector"
+                cyc = sticks * cfg.sfu_cycles(od.cost_class) / cfg.corelets_per_core
+                if c == 0:
+                    vector_ops += _elements(p, out.dims) * od.flops
+            elif isinstance(s, Reduce):
+                src, out = p.buffer(s.input), p.buffer(s.out)
+                lanes = _lanes(cfg, src.dtype)
+                sticks = _vector_sticks(cv, s, src.dims, lanes)
+                outs = cv.count(s, out.dims) * math.prod(cv.dim_sum(s, d) for d in out.dims)
+                unit = "vector"
+                tree = outs * cfg.sfu_reduction_tree_cycles if src.dims[-1] == s.dim else 0
+                cyc = (sticks * cfg.sfu_reduction_cycles + tree) / cfg.corelets_per_core
+                if c == 0:
+                    vector_ops += _elements(p, src.dims)
+            elif isinstance(s, RingAllReduce):
+                buf = p.buffer(s.buffer)
+                group = p.dim(s.dim).cores
+                stride = _group_stride(program, s.dim)
+                se = cfg.stick_bytes // _itemsize(buf.dtype)
+                sticks = _vector_sticks(cv, s, buf.dims, se)
+                nbytes = sticks * cfg.stick_bytes
+                # bidirectional ring: reduce-scatter + all-gather, each core
+                # sends 2(P-1)/P of the data, half each way; interleaved
+                # groups share links (factor ``stride``)
+                sent = 2 * (group - 1) / group * nbytes
+                instances = math.prod(cv.tiles(d) for d in s.loops)
+                cyc = sent / (2 * cfg.ring_bytes_per_cycle) * stride
+                cyc += instances * 2 * (group - 1) * stride * cfg.ring_hop_cycles
+                unit = "ring"
+                ring_bytes += sent
+                # the combining adds run on the vector units
+                vec = (group - 1) / group * sticks / cfg.corelets_per_core
+                if overlaps(s):
+                    loop_b["vector"] += vec
+                else:
+                    serial += vec
+                busy["vector"][c] += vec
+            if overlaps(s):
+                loop_b[unit] += cyc
+            else:
+                serial += cyc
+            busy[unit][c] += cyc
+        n_iter = max(1, math.prod(cv.tiles(d) for d in p.loop_order)) if p.loop_order else 1
+        if c == 0:
+            n_iter_inner = n_iter
+        total_b = sum(loop_b.values())
+        peak = max(loop_b.values())
+        loop_t = peak + (total_b - peak) / n_iter
+        core_cycles[c] = serial + loop_t
+        overhead[c] = setup
+    launch_cycles = cfg.launch_overhead_s * clock
+    slowest = max(range(ncores), key=lambda i: core_cycles[i])
+    cycles = launch_cycles + core_cycles[slowest]
+    time_s = cycles / clock
+    # what dominates on the slowest core
+    b = {u: busy[u][slowest] for u in UNITS}
+    parts = {
+        "compute": max(b["pe"], b["vector"]),
+        "memory": b["dma"] - overhead[slowest],
+        "ring": b["ring"],
+    }
+    parts["overhead"] = cycles - max(parts.values())
+    bottleneck = max(parts, key=lambda k: parts[k])
+    flops = sum(_matmul_flops(p, s) for s in p.steps if isinstance(s, Matmul))
+    mm_dtype = next((p.buffer(s.a).dtype for s in p.steps if isinstance(s, Matmul)), torch.float16)
+    compulsory = sum(o.layout.nbytes for o in p.operands)
+    roof = max(
+        compulsory / cfg.memory_bandwidth_Bps,
+        flops / cfg.peak_flops(mm_dtype),
+        vector_ops / cfg.peak_vector_ops(),
+    )
+    util = sum(max(busy["pe"][i], busy["vector"][i]) for i in range(ncores)) / ncores / cycles
+    return KernelReport(
+        name=program.name,
+        time_s=time_s,
+        cycles=int(round(cycles)),
+        cores_used=ncores,
+        busy_s={u: tuple(x / clock for x in busy[u]) for u in UNITS},
+        core_time_s=tuple(x / clock for x in core_cycles),
+        utilisation=util,
+        dram_bytes=int(round(dram_bytes)),
+        compulsory_bytes=compulsory,
+        ring_bytes=int(round(ring_bytes)),
+        flops=flops,
+        vector_ops=vector_ops,
+        bottleneck=bottleneck,
+        roofline_time_s=roof,
+        attainment=roof / time_s,
+        launch_s=cfg.launch_overhead_s,
+        dtype=str(mm_dtype).removeprefix("torch."),
+        extra={"pipelined": float(pipelined), "inner_iterations": float(n_iter_inner or 1)},
+    )
+
+
+def _dram_bytes(p: Program, cv: _CoreView) -> float:
+    total = 0.0
+    for s in p.steps:
+        if isinstance(s, Load | Store):
+            nbytes = _transfer(cv, s)[1]
+            if isinstance(s, Load) and s.multicast:
+                nbytes /= p.multicast_group(s)[0]
+            total += nbytes
+    return total
+
+
+def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig) -> list[float]:
+    """Cycles per byte each core's DMA gets from the shared LPDDR5.
+
+    Max-min fair sharing (water filling): all cores stream from the start;
+    the sustained bandwidth is split evenly among the cores still moving
+    data, each capped by its DMA engine.  A core with more bytes than the
+    others (e.g. the one storing a reduced result) speeds up once the others
+    are done.  Returns total cycles / total bytes of each core.
+    """
+    per_core = [_dram_bytes(p, cv) for cv in views]
+    port = float(cfg.dma_bytes_per_cycle)
+    shared = cfg.sustained_bandwidth_Bps / cfg.clock_hz
+    order = sorted(range(len(per_core)), key=lambda i: per_core[i])
+    finish = [0.0] * len(per_core)
+    t = moved = 0.0
+    for rank, i in enumerate(order):
+        rate = min(port, shared / (len(order) - rank))
+        t += (per_core[i] - moved) / rate
+        moved = per_core[i]
+        finish[i] = t
+    # cores with no bytes still get a rate (their transfers are empty)
+    fair = max(1.0 / port, len(per_core) / shared)
+    return [finish[i] / per_core[i] if per_core[i] else fair for i in range(len(per_core))]
+
+
+def _elements(p: Program, dims: tuple[str, ...]) -> float:
+    return float(math.prod(p.dim(d).size for d in dims))
+
+
+class _WithStick:
+    """The program plus the configured stick size (for byte counts)."""
+
+    def __init__(self, program: Program, stick_bytes: int) -> None:
+        self._p = program
+        self.config_stick_bytes = stick_bytes
+
+    def __getattr__(self, name: str):
+        return getattr(self._p, name)
