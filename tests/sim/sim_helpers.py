@@ -18,5 +18,7 @@ def device_buffers(program: Program, **host: torch.Tensor) -> dict[str, torch.Te
     return out
 
 
-def host_value(program: Program, buffers: dict[str, torch.Tensor], name: str = "out") -> torch.Tensor:
+def host_value(
+    program: Program, buffers: dict[str, torch.Tensor], name: str = "out"
+) -> torch.Tensor:
     return program.operand(name).layout.to_host(buffers[name])

@@ -56,7 +56,12 @@ def test_elementwise_unary(card, op, ref):
 
 @pytest.mark.parametrize(
     "m,n,k,split",
-    [(256, 384, 512, None), (100, 200, 300, (4, 2, 1)), (64, 128, 512, (1, 2, 4)), (1, 4096, 4096, None)],
+    [
+        (256, 384, 512, None),
+        (100, 200, 300, (4, 2, 1)),
+        (64, 128, 512, (1, 2, 4)),
+        (1, 4096, 4096, None),
+    ],
 )
 def test_matmul(card, m, n, k, split):
     torch.manual_seed(1)
@@ -73,7 +78,9 @@ def test_softmax(card):
         p = K.softmax(512, 1000, cores=8, spill=spill)
         bufs = device_buffers(p, x=x)
         card.run(p, bufs)
-        torch.testing.assert_close(host_value(p, bufs), torch.softmax(x.float(), -1).half(), **MM_TOL)
+        torch.testing.assert_close(
+            host_value(p, bufs), torch.softmax(x.float(), -1).half(), **MM_TOL
+        )
 
 
 def test_rmsnorm_and_layernorm(card):

@@ -24,7 +24,11 @@ def test_profile_collects_kernels_and_transfers():
     _workload()  # outside: not collected
     with sprof.profile() as prof:
         _workload()
-    assert [k.name for k in prof.kernels] == ["mm_256x512x512", "softmax_512x1024", "softmax_512x1024"]
+    assert [k.name for k in prof.kernels] == [
+        "mm_256x512x512",
+        "softmax_512x1024",
+        "softmax_512x1024",
+    ]
     assert len(prof.transfers) == 2
     k = prof.kernels[0]
     assert k.cores_used == 32 and k.bottleneck in {"compute", "memory", "ring", "overhead"}

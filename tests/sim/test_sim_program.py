@@ -71,7 +71,10 @@ def test_partial_results_must_be_reduced():
     p = Program(
         "bad",
         (Dim("c", 8, 8), Dim("n", 64)),
-        (Operand("x", lay), Operand("out", SpyreTensorLayout.default((64,), torch.float32), "output")),
+        (
+            Operand("x", lay),
+            Operand("out", SpyreTensorLayout.default((64,), torch.float32), "output"),
+        ),
         (Buffer("x_t", ("c", "n"), torch.float32), Buffer("r", ("n",), torch.float32)),
         (
             Load("x_t", "x", ("c", "n")),
@@ -86,7 +89,8 @@ def test_partial_results_must_be_reduced():
 def test_other_validation_errors():
     lay = SpyreTensorLayout.default((4, 64), torch.float16)
 
-    def prog(steps, dims=(Dim("i", 4), Dim("j", 64)), cores_dims=None):
+    def prog(steps, cores_dims=None):
+        dims = (Dim("i", 4), Dim("j", 64))
         return Program(
             "t",
             cores_dims or dims,

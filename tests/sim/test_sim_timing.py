@@ -26,7 +26,9 @@ def test_twice_the_data_takes_twice_the_memory_time():
     ratio = max(big.busy_s["dma"]) / max(small.busy_s["dma"])
     assert ratio == pytest.approx(2.0, rel=0.01)
     # end to end, launch and pipeline fill are the only fixed parts
-    assert (big.time_s - big.launch_s) / (small.time_s - small.launch_s) == pytest.approx(2.0, rel=0.02)
+    assert (big.time_s - big.launch_s) / (small.time_s - small.launch_s) == pytest.approx(
+        2.0, rel=0.02
+    )
 
 
 @pytest.mark.parametrize("eff", [CFG.dram_efficiency, 1.0])
@@ -134,7 +136,11 @@ def test_deterministic_across_runs_and_processes():
 
 
 def test_bigger_tiles_move_fewer_bytes():
-    small = estimate(K.matmul(2048, 2048, 2048, split=(4, 8, 1), tiles=(64, 64, 128), multicast=False))
-    big = estimate(K.matmul(2048, 2048, 2048, split=(4, 8, 1), tiles=(256, 256, 128), multicast=False))
+    small = estimate(
+        K.matmul(2048, 2048, 2048, split=(4, 8, 1), tiles=(64, 64, 128), multicast=False)
+    )
+    big = estimate(
+        K.matmul(2048, 2048, 2048, split=(4, 8, 1), tiles=(256, 256, 128), multicast=False)
+    )
     assert big.dram_bytes < small.dram_bytes and big.time_s < small.time_s
     assert torch.float16  # keep the import used

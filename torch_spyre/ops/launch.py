@@ -15,7 +15,7 @@ import torch
 
 from torch_spyre.ops import operands
 from torch_spyre.runtime import cards
-from torch_spyre.sim import KernelReport, Program
+from torch_spyre.sim import KernelReport, Program, ProgramError
 
 
 @dataclass
@@ -51,10 +51,21 @@ _stats = {"hits": 0, "misses": 0}
 
 
 def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
+    """The cached kernel for ``key``; ``build()`` on a miss.
+
+    A program the card rejects (e.g. a row that does not fit the LX) leaves a
+    kernel with ``program=None`` and the reason in ``info["rejected"]``: the
+    op then runs through the host fallback, where it is counted.
+    """
     k = _cache.get(key)
     if k is None:
         _stats["misses"] += 1
         k = build()
+        if k.program is not None:
+            try:
+                k.report(0)
+            except ProgramError as err:
+                k = Kernel(None, {**k.info, "rejected": str(err)})  # type: ignore[arg-type]
         if len(_cache) > 8192:
             _cache.clear()
         _cache[key] = k

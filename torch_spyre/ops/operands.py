@@ -23,6 +23,24 @@ def is_whole_default(t: torch.Tensor) -> bool:
     return lay.dtype == t.dtype and lay.host_size == tuple(t.shape)
 
 
+def base_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole base tensor of ``t`` when ``t`` is all of it, viewed contiguously
+    in another shape (a reshape of a whole tensor); None otherwise.
+
+    Kernels then run in the base's shape, so reshapes never move data.
+    """
+    if t.storage_offset() != 0 or not t.is_contiguous():
+        return None
+    lay = access.storage_layout(t)
+    if lay.dtype != t.dtype or lay.numel != t.numel() or lay != SpyreTensorLayout.default(
+        lay.host_size, lay.dtype
+    ):
+        return None
+    if lay.host_size == tuple(t.shape):
+        return t
+    return t.view(lay.host_size)
+
+
 def relaid(t: torch.Tensor) -> torch.Tensor:
     """A fresh default-layout copy of ``t`` made on the card (a restickify DMA)."""
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)

@@ -135,7 +135,7 @@ def run(op, args: tuple, kwargs: dict) -> Any:
         spec,
     )
     k = launch.kernel(key, lambda: _build(func, template, spec, tensors, key))
-    if k.program is None and not k.info:
+    if k.program is None and (not k.info or "rejected" in k.info):
         return NotImplemented
     shape, dtype = k.info["shape"], k.info["dtype"]
     if out_arg is not None and tuple(out_arg.shape) != shape:

@@ -14,6 +14,7 @@ from torch_spyre.sim import (
     Dim,
     HardwareConfig,
     Load,
+    Matmul,
     Operand,
     Program,
     Reduce,
@@ -160,39 +161,19 @@ def reduction(
     r = names[dim]
     kept = [n for n in names if n != r]
     kept_shape = tuple(s for i, s in enumerate(shape) if i != dim)
-    item = torch.empty((), dtype=in_dtype).element_size()
-    se = stick_elems(in_dtype)
-    row = _ceil_div(shape[dim], se) * se * max(item, 4)
-    if kept:
-        # the last kept dim is the output's stick dim (and the input's, when
-        # the reduced dim is not last): split it in whole sticks of both
-        ksd, ncores, chunk = _split(kept_shape, cfg.cores, max(se, stick_elems(out_dtype)))
-        sd = names.index(kept[ksd])
-        per_core = chunk or _ceil_div(shape[sd], ncores)
-        rows_budget = max(1, cfg.lx_bytes // 2 // (3 * row))
-        dims = []
-        for i, (n, s) in enumerate(zip(names, shape)):
-            if i == dim:
-                dims.append(Dim(n, s))
-            elif i == sd:
-                dims.append(Dim(n, s, ncores, max(1, min(per_core, rows_budget)), chunk))
-            else:
-                dims.append(Dim(n, s, 1, 1 if i < sd else s))
-        loops = tuple(n for i, n in enumerate(names) if i != dim and i <= sd)
-    else:
-        ncores = min(cfg.cores, shape[0]) if combinable else 1
-        per_core = _ceil_div(shape[0], ncores)
-        tile = max(se, min(per_core, cfg.lx_bytes // 4 // max(item, 4) // se * se))
-        dims = [Dim(r, shape[0], ncores, tile)]
-        loops = ()
+    dims, loops, ncores = _rowwise_dims(
+        shape, dim, in_dtype, out_dtype, row_copies=3, cfg=cfg, tile_rows=combinable
+    )
     acc = torch.float32 if in_dtype.is_floating_point else out_dtype
     out_shape = kept_shape or (1,)
+    # steps after the reduction run once its (possibly streamed) row is done
+    outer = loops[:-1] if loops and loops[-1] == r else loops
     steps = [Load("x_t", "x", tuple(names), loops), Reduce(op, "r", "x_t", r, loops)]
     if not kept and ncores > 1:
-        steps.append(RingAllReduce("r", r, op, loops))
+        steps.append(RingAllReduce("r", r, op, outer))
     if post_scale is not None:
-        steps.append(Vector("mul_scalar", "r", ("r",), (post_scale,), loops))
-    steps.append(Store("out", "r", tuple(kept) or (None,), loops))
+        steps.append(Vector("mul_scalar", "r", ("r",), (post_scale,), outer))
+    steps.append(Store("out", "r", tuple(kept) or (None,), outer))
     return Program(
         name=name or f"{op}_{'x'.join(map(str, shape))}_dim{dim}",
         dims=tuple(dims),
@@ -209,9 +190,185 @@ def reduction(
     )
 
 
+def _rowwise_dims(
+    shape: tuple[int, ...],
+    dim: int,
+    in_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    row_copies: int,
+    cfg: HardwareConfig,
+    tile_rows: bool,
+) -> tuple[list[Dim], tuple[str, ...], int]:
+    """Dims and loops of a kernel that works on whole rows along ``dim``.
+
+    The kept dims are split over the cores (the last kept one, the output's
+    stick dim, in whole sticks) and walked in tiles of rows that fit
+    ``row_copies`` fp32 rows in half the LX.  With no kept dim, the row itself
+    is split over the cores when ``tile_rows`` (the op combines partial
+    results); a row too long for the LX is then also walked in tiles.
+    Returns (dims, loops, cores over the reduced dim).
+    """
+    names = [f"d{i}" for i in range(len(shape))]
+    r = names[dim]
+    kept_shape = tuple(s for i, s in enumerate(shape) if i != dim)
+    se = stick_elems(in_dtype)
+    row = _ceil_div(shape[dim], se) * se * 4
+    budget = cfg.lx_bytes // 2
+    if kept_shape:
+        kept = [n for n in names if n != r]
+        ksd, ncores, chunk = _split(kept_shape, cfg.cores, max(se, stick_elems(out_dtype)))
+        sd = names.index(kept[ksd])
+        per_core = chunk or _ceil_div(shape[sd], ncores)
+        rows_budget = budget // (row_copies * row)
+        dims = []
+        rtile = None
+        if rows_budget < 1 and tile_rows:  # a row longer than the LX: stream it
+            rtile = max(se, budget // (row_copies * 4) // se * se)
+            rows_budget = 1
+        for i, (n, s) in enumerate(zip(names, shape)):
+            if i == dim:
+                dims.append(Dim(n, s, 1, rtile))
+            elif i == sd:
+                dims.append(Dim(n, s, ncores, max(1, min(per_core, rows_budget)), chunk))
+            else:
+                dims.append(Dim(n, s, 1, 1 if i < sd else s))
+        loops = tuple(n for i, n in enumerate(names) if i != dim and i <= sd)
+        if rtile is not None:
+            loops += (r,)
+        return dims, loops, 1
+    ncores = min(cfg.cores, _ceil_div(shape[0], se)) if tile_rows else 1
+    chunk = _ceil_div(_ceil_div(shape[0], ncores), se) * se if ncores > 1 else None
+    ncores = _ceil_div(shape[0], chunk) if chunk else 1
+    per_core = chunk or shape[0]
+    tile = max(se, min(per_core, budget // (row_copies * 4) // se * se))
+    loops = (r,) if tile_rows else ()
+    return [Dim(r, shape[0], ncores, tile, chunk)], loops, ncores
+
+
 def op_keeps_acc(op: str) -> bool:
     return not op.startswith(("argmax", "argmin"))
 
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+def matmul(
+    a_shape: tuple[int, ...],
+    a_index: tuple[str, ...],
+    b_shape: tuple[int, ...],
+    b_index: tuple[str, ...],
+    out_shape: tuple[int, ...],
+    out_index: tuple[str, ...],
+    sizes: dict[str, int],
+    dtype: torch.dtype,
+    bias: tuple[tuple[int, ...], tuple[str | None, ...]] | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+) -> Program:
+    """``out = alpha * (a @ b) [+ beta * bias]`` over named dims.
+
+    ``sizes`` names every dim: batch dims (``b*``), output rows (``m*``, one or
+    more: rows of a reshaped operand stay in its own shape), ``n`` and ``k``.
+    Each operand is a whole tensor in its default layout, indexed by the
+    names of its host dims (a transposed weight is simply indexed (n, k)).
+    Batch dims then rows are split over the cores first, ``n`` in whole
+    sticks; ``k`` is streamed through the LX in tiles (the PE array
+    accumulates in fp32).
+    """
+    from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
+
+    cfg = config or HardwareConfig()
+    se = stick_elems(dtype)
+    batch = [d for d in sizes if d.startswith("b")]
+    rows = [d for d in sizes if d.startswith("m")]
+    m = math.prod(sizes[d] for d in rows)
+    n, k = sizes["n"], sizes["k"]
+    nb = math.prod(sizes[d] for d in batch)
+    # batch over cores first (independent problems), then the output plane
+    pb_total = 1
+    split: dict[str, int] = {}
+    for d in batch:
+        c = max(1, min(sizes[d], cfg.cores // pb_total))
+        while cfg.cores // pb_total % c:
+            c -= 1
+        split[d] = c
+        pb_total *= c
+    rest = cfg.cores // pb_total
+    pm, pn, _ = default_matmul_split(m, n, k, cfg.replace(cores=max(rest, 1))) if rest > 1 else (
+        1,
+        1,
+        1,
+    )
+    # rows: split the outermost row dim that can take pm
+    row_split = next((d for d in rows if sizes[d] >= pm), rows[0] if rows else None)
+    if row_split is not None:
+        split[row_split] = max(1, min(pm, sizes[row_split]))
+    n_chunk = None
+    if pn > 1:
+        n_chunk = _ceil_div(_ceil_div(n, pn), se) * se
+        pn = _ceil_div(n, n_chunk)
+        if pn == 1:
+            n_chunk = None
+    split["n"] = pn
+    em = _ceil_div(sizes[row_split], split[row_split]) if row_split else 1
+    em *= math.prod(sizes[d] for d in rows if d != row_split)
+    en = n_chunk or _ceil_div(n, pn)
+    tm, tn, tk = default_matmul_tiles(em, en, k, dtype, True, cfg)
+    dims = []
+    loop_dims = batch + rows + ["n", "k"]
+    for d in loop_dims:
+        size = sizes[d]
+        cores = split.get(d, 1)
+        if d == "n":
+            tile = tn
+        elif d == "k":
+            tile = tk
+        elif d == row_split:
+            inner = math.prod(sizes[x] for x in rows[rows.index(d) + 1 :])
+            tile = max(1, tm // max(inner, 1))
+        elif d in rows and rows.index(d) > rows.index(row_split or d):
+            tile = size
+        else:
+            tile = 1
+        dims.append(Dim(d, size, cores, tile, n_chunk if d == "n" else None))
+    loops = tuple(loop_dims)
+    outer = loops[:-1]
+    acc_dt = torch.float32
+    steps: list = [
+        Load("a_t", "a", a_index, loops),
+        Load("b_t", "b", b_index, loops),
+        Matmul("acc", "a_t", "b_t", loops),
+    ]
+    operands_ = [
+        Operand("a", SpyreTensorLayout.default(a_shape, dtype), "input"),
+        Operand("b", SpyreTensorLayout.default(b_shape, dtype), "input"),
+    ]
+    buffers = [
+        Buffer("a_t", tuple(d for d in loop_dims if d in a_index), dtype, True),
+        Buffer("b_t", tuple(d for d in loop_dims if d in b_index), dtype, True),
+        Buffer("acc", tuple(d for d in loop_dims if d in out_index), acc_dt, True),
+    ]
+    if alpha != 1.0:
+        steps.append(Vector("mul_scalar", "acc", ("acc",), (alpha,), outer))
+    if bias is not None:
+        bshape, bindex = bias
+        used = tuple(d for d in bindex if d is not None)
+        operands_.append(Operand("bias", SpyreTensorLayout.default(bshape, dtype), "input"))
+        buffers.append(Buffer("bias_t", tuple(d for d in loop_dims if d in used), dtype, True))
+        steps.append(Load("bias_t", "bias", bindex, _loop_prefix(outer, used)))
+        if beta != 1.0:
+            steps.append(Vector("mul_scalar", "bias_t", ("bias_t",), (beta,), outer))
+        steps.append(Vector("add", "acc", ("acc", "bias_t"), (), outer))
+    steps.append(Store("out", "acc", out_index, outer))
+    operands_.append(Operand("out", SpyreTensorLayout.default(out_shape, dtype), "output"))
+    return Program(
+        name=name or f"mm_{nb}x{m}x{n}x{k}",
+        dims=tuple(dims),
+        operands=tuple(operands_),
+        buffers=tuple(buffers),
+        steps=tuple(steps),
+        loop_order=loops,
+    )

@@ -12,7 +12,7 @@ import math
 import torch
 
 from torch_spyre.ops import launch, operands, programs
-from torch_spyre.ops.registry import kernel
+from torch_spyre.ops.registry import NoKernel, kernel
 from torch_spyre.sim import ops as sim_ops
 
 # name -> (fn(x, dim), identity for padding uneven core splits, combinable)
@@ -70,7 +70,7 @@ def reduce(
     ]
     count = math.prod(x.shape[d] for d in dims) if x.dim() else 1
     if x.numel() == 0 or count == 0:
-        return NotImplemented  # identity-valued or error cases: PyTorch's semantics
+        raise NoKernel  # identity-valued or error cases: PyTorch's semantics
     if x.dim() == 0:
         src, rdim = x.reshape(1), 0
     elif len(dims) == 1:
@@ -100,6 +100,8 @@ def reduce(
         )
 
     k = launch.kernel(key, build)
+    if k.program is None:
+        raise NoKernel
     kept_shape = [s for i, s in enumerate(src.shape) if i != rdim]
     out = torch.empty(kept_shape, dtype=out_dtype, device=x.device)
     k.launch({"x": src, "out": out})

@@ -20,11 +20,16 @@ def _library() -> torch.library.Library:
     return _lib
 
 
+class NoKernel(Exception):
+    """Raised by a kernel for inputs it does not serve (the host fallback runs)."""
+
+
 def kernel(*names: str, path: str = "kernel"):
     """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads.
 
-    ``fn(*args, **kwargs)`` may return NotImplemented for inputs it does not
-    serve; those then go through the host fallback, counted as such.
+    ``fn(*args, **kwargs)`` may return NotImplemented (or raise NoKernel) for
+    inputs it does not serve; those then go through the host fallback,
+    counted as such.
     """
 
     def wrap(fn: Callable) -> Callable:
@@ -32,7 +37,10 @@ def kernel(*names: str, path: str = "kernel"):
             op = _overload(name)
 
             def impl(*args, _fn=fn, _name=name, _op=op, **kwargs):
-                result = _fn(*args, **kwargs)
+                try:
+                    result = _fn(*args, **kwargs)
+                except NoKernel:
+                    result = NotImplemented
                 if result is NotImplemented:
                     from torch_spyre.runtime.fallback import host_fallback
 

@@ -213,6 +213,10 @@ class Profile:
             "k--",
             label=f"sustained memory ({cfg.dram_efficiency:.0%})",
         )
+        ax.axhline(
+            cfg.peak_vector_ops(), color="grey", ls=":", label="vector-unit peak (simple ops)"
+        )
+        markers = "osD^v<>ph*"
         seen: set[str] = set()
         for k in self.kernels:
             r = k.report
@@ -222,7 +226,8 @@ class Profile:
             # vector work counts as operations for kernels without matmuls
             work = r.flops or r.vector_ops
             ai = max(work / max(r.compulsory_bytes, 1), 2.0**-4)
-            ax.scatter([ai], [max(work / r.time_s, 1.0)], label=k.name[:30])
+            marker = markers[len(seen) % len(markers)]
+            ax.scatter([ai], [max(work / r.time_s, 1.0)], marker=marker, label=k.name[:30])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP per byte of device memory)")

@@ -50,9 +50,15 @@ def calibration_rows(config: HardwareConfig | None = None) -> list[CalibrationRo
             "check",
         ),
         CalibrationRow(
-            "softmax gain, scratchpad-aware vs before", 32.5 / 23.7, sm_spill / sm_fused, "x", "check"
+            "softmax gain, scratchpad-aware vs before",
+            32.5 / 23.7,
+            sm_spill / sm_fused,
+            "x",
+            "check",
         ),
-        CalibrationRow("softmax 4096x2048 fp16, 32 cores", 320.0, sm_32.time_s * 1e6, "us", "check"),
+        CalibrationRow(
+            "softmax 4096x2048 fp16, 32 cores", 320.0, sm_32.time_s * 1e6, "us", "check"
+        ),
         CalibrationRow(
             "softmax 4096x2048 bytes moved", 33.6, sm_32.dram_bytes / 1e6, "MB", "check"
         ),

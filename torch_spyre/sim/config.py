@@ -190,7 +190,9 @@ class HardwareConfig:
         return self.corelets_per_core * self.vector_lanes * min(1.0, 2.0 / itemsize)
 
     def peak_vector_ops(self, dtype: torch.dtype = torch.float16) -> float:
-        return self.vector_elems_per_cycle(dtype) * self.cores * self.clock_hz / self.sfu_simple_cycles
+        return (
+            self.vector_elems_per_cycle(dtype) * self.cores * self.clock_hz / self.sfu_simple_cycles
+        )
 
     @property
     def sustained_bandwidth_Bps(self) -> float:
@@ -273,7 +275,9 @@ def _coerce(values: dict[str, Any]) -> dict[str, Any]:
             raise HardwareConfigError(f"HardwareConfig.{name}: {e}") from None
         if types[name] == "int":
             if float(v) != int(v):
-                raise HardwareConfigError(f"HardwareConfig.{name} must be a whole number, got {value!r}")
+                raise HardwareConfigError(
+                    f"HardwareConfig.{name} must be a whole number, got {value!r}"
+                )
             v = int(v)
         else:
             v = float(v)

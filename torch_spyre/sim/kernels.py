@@ -41,9 +41,7 @@ def _cores(config: HardwareConfig | None, cores: int | None, size: int) -> int:
     return max(1, min(n, size))
 
 
-def _fit_tiles(
-    sizes: list[int], bytes_per_elem: float, budget: int, stick: int
-) -> list[int]:
+def _fit_tiles(sizes: list[int], bytes_per_elem: float, budget: int, stick: int) -> list[int]:
     """Tiles (inner dim first to fill) so that a tile of all buffers fits ``budget``."""
     tiles = [1] * len(sizes)
     elems = max(1, int(budget / bytes_per_elem))
@@ -473,6 +471,12 @@ def gemv(
     cfg = config or HardwareConfig()
     ncores = _cores(cfg, cores, n)
     return matmul(
-        1, n, k, dtype, split=(1, ncores, 1), multicast=multicast, config=cfg,
+        1,
+        n,
+        k,
+        dtype,
+        split=(1, ncores, 1),
+        multicast=multicast,
+        config=cfg,
         name=name or f"gemv_{k}x{n}",
     )

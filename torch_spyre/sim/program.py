@@ -346,7 +346,9 @@ class Program:
             if d.size < 1 or d.cores < 1 or (d.tile is not None and d.tile < 1):
                 raise ProgramError(f"{where}: dim {d} needs size, cores and tile >= 1")
             if d.cores > d.size:
-                raise ProgramError(f"{where}: dim {d.name!r} of size {d.size} split over {d.cores} cores")
+                raise ProgramError(
+                    f"{where}: dim {d.name!r} of size {d.size} split over {d.cores} cores"
+                )
             if d.chunk is not None and not (d.cores - 1) * d.chunk < d.size <= d.cores * d.chunk:
                 raise ProgramError(
                     f"{where}: dim {d.name!r}: {d.cores} chunks of {d.chunk} do not cover "
@@ -372,7 +374,9 @@ class Program:
         for i, s in enumerate(self.steps):
             at = f"{where}, step {i} ({s.kind})"
             if tuple(s.loops) != tuple(self.loop_order[: len(s.loops)]):
-                raise ProgramError(f"{at}: loops {list(s.loops)} are not a prefix of {list(self.loop_order)}")
+                raise ProgramError(
+                    f"{at}: loops {list(s.loops)} are not a prefix of {list(self.loop_order)}"
+                )
             for r in step_reads(s):
                 if r not in buffer_names:
                     raise ProgramError(f"{at}: reads unknown buffer {r!r}")
@@ -464,7 +468,9 @@ class Program:
         for k, d in enumerate(s.index):
             if d is None:
                 if lay.host_size[k] != 1:
-                    raise ProgramError(f"{at}: host dim {k} of {op.name!r} has size {lay.host_size[k]}, not 1")
+                    raise ProgramError(
+                        f"{at}: host dim {k} of {op.name!r} has size {lay.host_size[k]}, not 1"
+                    )
             elif self.dim(d).size != lay.host_size[k]:
                 raise ProgramError(
                     f"{at}: host dim {k} of {op.name!r} has size {lay.host_size[k]} but "
@@ -472,7 +478,11 @@ class Program:
                 )
         if isinstance(s, Store) and lay.host_size:
             d = s.index[lay.stick_dim]
-            if d is not None and self.dim(d).cores > 1 and self.dim(d).core_extent % lay.stick_elems:
+            if (
+                d is not None
+                and self.dim(d).cores > 1
+                and self.dim(d).core_extent % lay.stick_elems
+            ):
                 raise ProgramError(
                     f"{at}: dim {d!r} is the stick dim of {op.name!r} and is split over cores "
                     f"in chunks of {self.dim(d).core_extent}, not whole sticks of "
@@ -525,7 +535,9 @@ class Program:
         out.append(
             "  dims     "
             + ", ".join(
-                f"{d.name}={d.size}" + (f"/{d.cores}" if d.cores > 1 else "") + f" tile {d.tile_size}"
+                f"{d.name}={d.size}"
+                + (f"/{d.cores}" if d.cores > 1 else "")
+                + f" tile {d.tile_size}"
                 for d in self.dims
             )
         )

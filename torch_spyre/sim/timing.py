@@ -112,9 +112,10 @@ def _stick_sum(start: int, extent: int, tile: int, se: int) -> int:
 class _CoreView:
     """Extents of every dim on one core."""
 
-    def __init__(self, program: Program, coords: dict[str, int]) -> None:
+    def __init__(self, program: Program, coords: dict[str, int], stick_bytes: int) -> None:
         self.p = program
         self.coords = coords
+        self.stick_bytes = stick_bytes
         self.extent = {
             d.name: (d.extent_on(coords[d.name]) if d.cores > 1 else d.size) for d in program.dims
         }
@@ -165,7 +166,7 @@ def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
         else:
             sticks *= cv.dim_sum(s, d)
     transfers = math.prod(cv.tiles(d) for d in s.loops)
-    return float(transfers), float(sticks * p.config_stick_bytes)
+    return float(transfers), float(sticks * cv.stick_bytes)
 
 
 def _vector_sticks(cv: _CoreView, s: Step, dims: tuple[str, ...], lanes: int) -> float:
@@ -234,10 +235,10 @@ def _group_stride(program: Program, dim: str) -> int:
 def estimate(program: Program, config: HardwareConfig | None = None) -> KernelReport:
     """Model one run of ``program`` on ``config`` (default: the card)."""
     cfg = config or HardwareConfig()
-    p = _WithStick(program, cfg.stick_bytes)
+    p = program
     ncores = program.cores_used
     clock = cfg.clock_hz
-    views = [_CoreView(p, _core_coords(program, c)) for c in range(ncores)]
+    views = [_CoreView(p, _core_coords(p, c), cfg.stick_bytes) for c in range(ncores)]
     mem_cycles_per_byte = _shared_memory_rates(p, views, cfg)
     # the innermost loop body is a pipeline if its transfers are double
     # buffered; a transfer of a single-buffered buffer stalls it (serial)
@@ -422,14 +423,3 @@ def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig
 
 def _elements(p: Program, dims: tuple[str, ...]) -> float:
     return float(math.prod(p.dim(d).size for d in dims))
-
-
-class _WithStick:
-    """The program plus the configured stick size (for byte counts)."""
-
-    def __init__(self, program: Program, stick_bytes: int) -> None:
-        self._p = program
-        self.config_stick_bytes = stick_bytes
-
-    def __getattr__(self, name: str):
-        return getattr(self._p, name)

@@ -1,0 +1,155 @@
+"""The matmul family (mm, bmm, addmm, baddbmm; linear and matmul decompose to
+them) as PE-array kernel programs.
+
+Operands are used where they lie: a transposed weight (``w.t()``) is read as
+the weight itself indexed (n, k), and a 2-D view of a whole N-D activation is
+read in its own shape, so neither costs a re-layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_spyre.ops import launch, operands, programs
+from torch_spyre.ops.registry import kernel
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _lhs(a: torch.Tensor, batch: list[str]) -> tuple[torch.Tensor, tuple[str, ...], dict]:
+    """Operand and index for the left factor [*batch, M, K]."""
+    base = operands.base_of(a)
+    if base is not None and base.dim() >= 1 and base.shape[-1] == a.shape[-1] and not batch:
+        rows = [f"m{i}" for i in range(base.dim() - 1)] or []
+        sizes = {r: base.shape[i] for i, r in enumerate(rows)}
+        if not rows:  # a 1-D base: one row
+            return base.view(1, -1), ("m0", "k"), {"m0": 1}
+        return base, (*rows, "k"), sizes
+    if batch:
+        t = operands.whole(a) if operands.base_of(a) is None or a.mT.is_contiguous() else a
+        tt = a.mT
+        if operands.is_whole_default(tt):
+            return tt, (*batch, "k", "m0"), {"m0": a.shape[-2]}
+        t = operands.whole(a)
+        return t, (*batch, "m0", "k"), {"m0": a.shape[-2]}
+    tt = a.t()
+    if operands.is_whole_default(tt):
+        return tt, ("k", "m0"), {"m0": a.shape[0]}
+    return operands.whole(a), ("m0", "k"), {"m0": a.shape[0]}
+
+
+def _rhs(b: torch.Tensor, batch: list[str]) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """Operand and index for the right factor [*batch, K, N]."""
+    tt = b.mT
+    if operands.is_whole_default(tt):
+        return tt, (*batch, "n", "k")
+    return operands.whole(b), (*batch, "k", "n")
+
+
+def _bias(bias: torch.Tensor, out_rows: list[str], batch: list[str], out_shape):
+    """Bias operand broadcast to the output (index None where it broadcasts)."""
+    names = [*batch, *out_rows, "n"]
+    if bias.dim() > len(out_shape):
+        return None
+    t = operands.whole(bias)
+    lead = len(out_shape) - bias.dim()
+    index = []
+    for i, s in enumerate(bias.shape):
+        want = out_shape[lead + i]
+        if s == want:
+            index.append(names[lead + i])
+        elif s == 1:
+            index.append(None)
+        else:
+            return None
+    return t, tuple(index) or (None,)
+
+
+def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
+    if a.dtype not in _FLOATS or b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
+        return NotImplemented
+    batched = a.dim() == 3
+    if batched and (b.dim() != 3 or a.shape[0] != b.shape[0]):
+        return NotImplemented
+    m, k = a.shape[-2], a.shape[-1]
+    n = b.shape[-1]
+    if b.shape[-2] != k:
+        return NotImplemented  # PyTorch's shape error
+    out_shape = (*a.shape[:-2], m, n)
+    if a.numel() == 0 or b.numel() == 0:
+        return NotImplemented  # empty or zero-k products: PyTorch's semantics
+    batch = ["b0"] if batched else []
+    a_t, a_index, rows = _lhs(a, batch)
+    b_t, b_index = _rhs(b, batch)
+    sizes = {**({"b0": a.shape[0]} if batched else {}), **rows, "n": n, "k": k}
+    out_rows = list(rows)
+    out_base_shape = (*(a.shape[:1] if batched else ()), *rows.values(), n)
+    bias_arg = None
+    if bias is not None:
+        got = _bias(bias, ["m0"] if len(out_rows) == 1 else out_rows, batch, out_shape)
+        if got is None or (len(out_rows) > 1 and bias.dim() > 1):
+            return NotImplemented
+        bias_arg = got
+    key = (
+        "mm",
+        a.dtype,
+        tuple(a_t.shape),
+        a_index,
+        tuple(b_t.shape),
+        b_index,
+        tuple(sorted(sizes.items())),
+        None if bias_arg is None else (tuple(bias_arg[0].shape), bias_arg[1]),
+        alpha,
+        beta,
+    )
+
+    def build() -> launch.Kernel:
+        return launch.Kernel(
+            programs.matmul(
+                tuple(a_t.shape),
+                a_index,
+                tuple(b_t.shape),
+                b_index,
+                out_base_shape,
+                (*batch, *out_rows, "n"),
+                sizes,
+                a.dtype,
+                bias=None if bias_arg is None else (tuple(bias_arg[0].shape), bias_arg[1]),
+                alpha=alpha,
+                beta=beta,
+                name=f"{'addmm' if bias is not None else 'mm'}_"
+                f"{'x'.join(map(str, out_shape))}x{k}",
+            )
+        )
+
+    kern = launch.kernel(key, build)
+    if kern.program is None:
+        return NotImplemented
+    out = torch.empty(out_base_shape, dtype=a.dtype, device=a.device)
+    bind = {"a": a_t, "b": b_t, "out": out}
+    if bias_arg is not None:
+        bind["bias"] = bias_arg[0]
+    kern.launch(bind)
+    return out.view(out_shape)
+
+
+@kernel("mm.default")
+def _mm(a, b):
+    return matmul(a, b)
+
+
+@kernel("bmm.default")
+def _bmm(a, b):
+    return matmul(a, b)
+
+
+@kernel("addmm.default")
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    return matmul(a, b, bias, float(alpha), float(beta))
+
+
+@kernel("baddbmm.default")
+def _baddbmm(bias, a, b, *, beta=1, alpha=1):
+    if beta == 0:
+        return matmul(a, b, None, float(alpha))
+    return matmul(a, b, bias, float(alpha), float(beta))
