@@ -137,3 +137,22 @@ def test_buffer_shape_mismatch_is_reported():
     bufs["in0"] = torch.zeros(3, dtype=torch.float16)
     with pytest.raises(ValueError, match="operand 'in0' needs"):
         execute(p, bufs)
+
+
+def test_elementwise_broadcast_and_mixed_dtypes(card):
+    x = torch.randn(33, 130, dtype=torch.float16)
+    bias = torch.randn(130, dtype=torch.float16)
+    col = torch.randn(33, 1, dtype=torch.float32)
+    p = K.elementwise("add", (33, 130), input_shapes=[(33, 130), (130,)])
+    bufs = device_buffers(p, in0=x, in1=bias)
+    card.run(p, bufs)
+    torch.testing.assert_close(host_value(p, bufs), x + bias)
+    p = K.elementwise(
+        "mul",
+        (33, 130),
+        input_shapes=[(33, 130), (33, 1)],
+        input_dtypes=[torch.float16, torch.float32],
+    )
+    bufs = device_buffers(p, in0=x, in1=col)
+    card.run(p, bufs)
+    torch.testing.assert_close(host_value(p, bufs), (x.float() * col).half())

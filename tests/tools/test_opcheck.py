@@ -257,3 +257,20 @@ def test_universe_excludes_families():
     keys = {opcheck.op_key(op) for op in opcheck.select_ops(opcheck.load_op_db())}
     assert "add" in keys and "nn.functional.gelu" in keys
     assert not any(k.split(".")[0] in opcheck.EXCLUDED_FAMILIES for k in keys)
+
+
+def test_inplace_variants_are_selectable():
+    ops = opcheck.select_ops(opcheck.load_op_db(), "add_,mul_", variant="inplace")
+    assert [op.name for op in ops] == ["add_", "mul_"]
+    [r] = opcheck.run_in_process(ops[:1], max_samples=2)
+    assert r.key == "add_" and r.samples == 4  # 2 per dtype
+
+
+def test_error_messages_are_checked_for_op_and_shapes():
+    op, x = FakeOp("cos", torch.cos), torch.randn(4, 3)
+    named = (
+        "spyre has no kernel for aten.cos (torch.float32[4, 3]@spyre:0) and the policy is 'error'"
+    )
+    assert opcheck._names_op_and_shape(named, op, (x,))
+    assert not opcheck._names_op_and_shape("kernel 'k': operand 'out' needs 12 elements", op, (x,))
+    assert not opcheck._names_op_and_shape("cos failed", op, (x,))  # no shape

@@ -10,7 +10,12 @@ _libs: list[torch.library.Library] = []
 def register() -> None:
     if _libs:
         return
-    from torch_spyre.ops import dispatch, matmul, reductions  # noqa: F401  (registers kernels)
+    from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
+        dispatch,
+        matmul,
+        normalization,
+        reductions,
+    )
 
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(dispatch.catch_all, "PrivateUse1")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch_spyre.ops import pointwise
+from torch_spyre.ops import movement, pointwise
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.runtime.fallback import host_fallback
 
@@ -27,6 +27,10 @@ def _route(op) -> list[tuple[str, Handler]]:
         routes.append(("adapter", ADAPTERS[base]))
     elif pointwise.is_pointwise(op):
         routes.append(("kernel", pointwise.run))
+    if base in movement.MOVEMENT or (
+        base.removesuffix("_") in movement.MOVEMENT
+    ):
+        routes.append(("kernel", movement.run))
     return routes
 
 

@@ -372,3 +372,133 @@ def matmul(
         steps=tuple(steps),
         loop_order=loops,
     )
+
+
+def softmax(
+    shape: tuple[int, ...],
+    dim: int,
+    in_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    log: bool = False,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+) -> Program:
+    """(log-)softmax of ``x`` along ``dim``, whole rows in LX (scratchpad-aware:
+    exp(x - max) never leaves the LX).  Operands ``x``, ``out``."""
+    cfg = config or HardwareConfig()
+    shape = tuple(shape) or (1,)
+    dim %= len(shape)
+    names = [f"d{i}" for i in range(len(shape))]
+    r = names[dim]
+    kept = tuple(n for n in names if n != r)
+    dims, loops, _ = _rowwise_dims(shape, dim, in_dtype, out_dtype, 5, cfg, tile_rows=False)
+    idx = tuple(names)
+    steps = [
+        Load("x_t", "x", idx, loops),
+        Reduce("max", "mx", "x_t", r, loops),
+        Vector("sub", "e", ("x_t", "mx"), (), loops),
+    ]
+    if log:
+        steps += [
+            Vector("exp", "p", ("e",), (), loops),
+            Reduce("sum", "s", "p", r, loops),
+            Vector("log", "s", ("s",), (), loops),
+            Vector("sub", "y", ("e", "s"), (), loops),
+        ]
+    else:
+        steps += [
+            Vector("exp", "p", ("e",), (), loops),
+            Reduce("sum", "s", "p", r, loops),
+            Vector("reciprocal", "s", ("s",), (), loops),
+            Vector("mul", "y", ("p", "s"), (), loops),
+        ]
+    steps.append(Store("out", "y", idx, loops))
+    f32 = torch.float32
+    return Program(
+        name=name or f"{'log_' if log else ''}softmax_{'x'.join(map(str, shape))}",
+        dims=tuple(dims),
+        operands=(
+            Operand("x", SpyreTensorLayout.default(shape, in_dtype), "input"),
+            Operand("out", SpyreTensorLayout.default(shape, out_dtype), "output"),
+        ),
+        buffers=(
+            Buffer("x_t", idx, in_dtype, True),
+            Buffer("mx", kept, f32),
+            Buffer("e", idx, f32),
+            Buffer("p", idx, f32),
+            Buffer("s", kept, f32),
+            Buffer("y", idx, out_dtype, True),
+        ),
+        steps=tuple(steps),
+        loop_order=loops,
+    )
+
+
+def layer_norm(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    eps: float,
+    weight: bool,
+    bias: bool,
+    rms: bool = False,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+) -> Program:
+    """Layer norm (or RMS norm) over the last dim of ``x``.
+
+    Operands ``x``, optional ``w`` and ``b`` (last dim), ``out``, and the
+    statistics ``mean`` and ``rstd`` (fp32, one per row; no mean for RMS).
+    """
+    cfg = config or HardwareConfig()
+    dim = len(shape) - 1
+    names = [f"d{i}" for i in range(len(shape))]
+    r = names[dim]
+    kept = tuple(names[:-1])
+    dims, loops, _ = _rowwise_dims(shape, dim, dtype, torch.float32, 6, cfg, tile_rows=False)
+    idx = tuple(names)
+    n = shape[dim]
+    f32 = torch.float32
+    steps: list = [Load("x_t", "x", idx, loops)]
+    operands_ = [Operand("x", SpyreTensorLayout.default(shape, dtype), "input")]
+    buffers = [Buffer("x_t", idx, dtype, True), Buffer("rstd", kept, f32), Buffer("y", idx, f32)]
+    if rms:
+        steps += [Vector("square", "y", ("x_t",), (), loops)]
+        src = "x_t"
+    else:
+        buffers += [Buffer("mean", kept, f32), Buffer("xc", idx, f32)]
+        steps += [
+            Reduce("sum", "mean", "x_t", r, loops),
+            Vector("mul_scalar", "mean", ("mean",), (1.0 / n,), loops),
+            Vector("sub", "xc", ("x_t", "mean"), (), loops),
+            Vector("square", "y", ("xc",), (), loops),
+        ]
+        src = "xc"
+    steps += [
+        Reduce("sum", "rstd", "y", r, loops),
+        Vector("mul_scalar", "rstd", ("rstd",), (1.0 / n,), loops),
+        Vector("add_scalar", "rstd", ("rstd",), (eps,), loops),
+        Vector("rsqrt", "rstd", ("rstd",), (), loops),
+        Vector("mul", "y", (src, "rstd"), (), loops),
+    ]
+    for flag, op_name, buf, vop in ((weight, "w", "w_t", "mul"), (bias, "b", "b_t", "add")):
+        if flag:
+            operands_.append(Operand(op_name, SpyreTensorLayout.default((n,), dtype), "input"))
+            buffers.append(Buffer(buf, (r,), f32))
+            steps.insert(0, Load(buf, op_name, (r,), ()))
+            steps.append(Vector(vop, "y", ("y", buf), (), loops))
+    stats_shape = tuple(shape[:-1]) + (1,)
+    steps.append(Store("out", "y", idx, loops))
+    operands_.append(Operand("out", SpyreTensorLayout.default(shape, dtype), "output"))
+    if not rms:
+        steps.append(Store("mean", "mean", (*kept, None), loops))
+        operands_.append(Operand("mean", SpyreTensorLayout.default(stats_shape, f32), "output"))
+    steps.append(Store("rstd", "rstd", (*kept, None), loops))
+    operands_.append(Operand("rstd", SpyreTensorLayout.default(stats_shape, f32), "output"))
+    return Program(
+        name=name or f"{'rms' if rms else 'layer'}norm_{'x'.join(map(str, shape))}",
+        dims=tuple(dims),
+        operands=tuple(operands_),
+        buffers=tuple(buffers),
+        steps=tuple(steps),
+        loop_order=loops,
+    )

@@ -162,6 +162,16 @@ def host_fallback(op, *args, **kwargs):
             SpyreFallbackWarning,
             stacklevel=3,
         )
+    return run_on_values(op, args, kwargs, pcie=True)
+
+
+def run_on_values(op, args, kwargs, pcie: bool):
+    """Run ``op`` with torch's CPU kernel on the *values* of its spyre arguments.
+
+    Mutated arguments and new outputs are written back to the card.  With
+    ``pcie`` every copy is modelled as a transfer to or from the host (the host
+    fallback); without it the caller models the work as a device kernel.
+    """
     flat = tree_flatten((args, kwargs))[0]
     device = _first_spyre_device(flat)
     schema = op._schema
@@ -170,7 +180,8 @@ def host_fallback(op, *args, **kwargs):
     def to_cpu(a):
         if isinstance(a, torch.Tensor) and a.device.type == "spyre":
             cpu = access.read(a)
-            cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a))
+            if pcie:
+                cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a))
             originals[id(cpu)] = a
             return cpu
         if isinstance(a, torch.device) and a.type == "spyre":
@@ -205,7 +216,8 @@ def host_fallback(op, *args, **kwargs):
                 if dst.shape != c.shape:
                     dst.resize_(c.shape)
                 access.write(dst, c)
-                cards.record_transfer(dst.device.index, "h2d", access.device_nbytes(dst))
+                if pcie:
+                    cards.record_transfer(dst.device.index, "h2d", access.device_nbytes(dst))
                 written[id(c)] = dst
 
     def to_spyre(o):
@@ -216,7 +228,8 @@ def host_fallback(op, *args, **kwargs):
                 return originals[id(o)]
             res = torch.empty(o.shape, dtype=o.dtype, device=device)
             access.write(res, o)
-            cards.record_transfer(device.index, "h2d", access.device_nbytes(res))
+            if pcie:
+                cards.record_transfer(device.index, "h2d", access.device_nbytes(res))
             return res
         return o
 

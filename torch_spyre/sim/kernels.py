@@ -66,13 +66,18 @@ def elementwise(
     cores: int | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    input_shapes: list[tuple[int, ...]] | None = None,
+    input_dtypes: list[torch.dtype] | None = None,
 ) -> Program:
     """``out = op(in0[, in1], *scalars)``; operands ``in0``, ``in1``..., ``out``.
 
-    All operands share ``shape`` and the default layout.  The outermost dim
-    (or, for 1-D, the only one) is split over the cores; each core walks tiles
-    sized so its double-buffered inputs and output fill half the LX (the rest
-    is headroom for a fused producer).
+    ``out`` has ``shape`` and ``dtype``; inputs default to the same, or take
+    ``input_shapes`` that broadcast to ``shape`` (torch rules, e.g. a bias
+    ``(n,)`` against ``(m, n)``) and ``input_dtypes``.  All operands use the
+    default layout.  The host dim behind the outermost device dim is split
+    over the cores (contiguous slices; whole sticks when it is the stick dim);
+    each core walks tiles sized so the double-buffered buffers fill half the
+    LX (the rest is headroom for a fused producer).
     """
     cfg = config or HardwareConfig()
     shape = tuple(int(s) for s in shape) or (1,)
@@ -88,19 +93,51 @@ def elementwise(
         for i, (n, s, t) in enumerate(zip(names, shape, tiles))
     )
     ins = [f"in{i}" for i in range(num_inputs)]
+    shapes = [tuple(x) for x in input_shapes] if input_shapes else [shape] * num_inputs
+    dtypes = list(input_dtypes) if input_dtypes else [dtype] * num_inputs
+    if len(shapes) != num_inputs or len(dtypes) != num_inputs:
+        raise ProgramError(f"elementwise {op!r}: give one shape and dtype per input")
     loops = tuple(names)
     idx = tuple(names)
-    steps: list = [Load(f"{x}_t", x, idx, loops) for x in ins]
+    steps: list = []
+    operands, buffers = [], []
+    for x, xs, xd in zip(ins, shapes, dtypes):
+        xidx = _broadcast_index(xs, shape, names, op)
+        steps.append(Load(f"{x}_t", x, xidx, loops))
+        operands.append(Operand(x, SpyreTensorLayout.default(xs, xd), "input"))
+        buffers.append(Buffer(f"{x}_t", tuple(d for d in xidx if d), xd, True))
     steps.append(Vector(op, "out_t", tuple(f"{x}_t" for x in ins), tuple(scalars), loops))
     steps.append(Store("out", "out_t", idx, loops))
     return Program(
         name=name or f"{op}_{'x'.join(map(str, shape))}",
         dims=dims,
-        operands=tuple(Operand(x, lay, "input") for x in ins) + (Operand("out", lay, "output"),),
-        buffers=tuple(Buffer(f"{x}_t", idx, dtype, True) for x in ins + ["out"]),
+        operands=tuple(operands) + (Operand("out", lay, "output"),),
+        buffers=tuple(buffers) + (Buffer("out_t", idx, dtype, True),),
         steps=tuple(steps),
         loop_order=loops,
     )
+
+
+def _broadcast_index(
+    xs: tuple[int, ...], shape: tuple[int, ...], names: list[str], op: str
+) -> tuple[str | None, ...]:
+    """Iteration dim of each host dim of an input broadcast (right-aligned) to ``shape``."""
+    off = len(shape) - len(xs)
+    if off < 0:
+        raise ProgramError(
+            f"elementwise {op!r}: input shape {list(xs)} has more dims than {list(shape)}"
+        )
+    index: list[str | None] = []
+    for j, s in enumerate(xs):
+        if s == shape[off + j]:
+            index.append(names[off + j])
+        elif s == 1:
+            index.append(None)
+        else:
+            raise ProgramError(
+                f"elementwise {op!r}: input shape {list(xs)} does not broadcast to {list(shape)}"
+            )
+    return tuple(index)
 
 
 def _elementwise_split(lay: SpyreTensorLayout, cores: int) -> tuple[int, int, int]:

@@ -259,88 +259,28 @@ def estimate(program: Program, config: HardwareConfig | None = None) -> KernelRe
     core_cycles = [0.0] * ncores
     overhead = [0.0] * ncores
     dram_bytes = ring_bytes = 0.0
-    vector_ops = 0.0
+    vector_ops = sum(_vector_ops(p, s) for s in p.steps)
     for c in range(ncores):
         cv = views[c]
         loop_b = dict.fromkeys(UNITS, 0.0)
         serial = 0.0
-        setup = 0.0
         for s in p.steps:
-            unit, cyc = "dma", 0.0
-            if isinstance(s, Load | Store):
-                n, nbytes = _transfer(cv, s)
-                if isinstance(s, Load) and s.multicast:
-                    # each core of the group reads 1/group, the ring all-gathers
-                    group, stride = p.multicast_group(s)
-                    sent = (group - 1) / group * nbytes
-                    rc = sent / (2 * cfg.ring_bytes_per_cycle) * stride
-                    rc += n * (group // 2) * stride * cfg.ring_hop_cycles
-                    ring_bytes += sent
-                    busy["ring"][c] += rc
-                    if overlaps(s):
-                        loop_b["ring"] += rc
-                    else:
-                        serial += rc
-                    nbytes /= group
-                cyc = n * cfg.dma_setup_cycles + nbytes * mem_cycles_per_byte[c]
-                setup += n * cfg.dma_setup_cycles
-                dram_bytes += nbytes
-            elif isinstance(s, Matmul):
-                unit, cyc = "pe", _matmul_cycles(cv, s, cfg)
-            elif isinstance(s, Vector):
-                out = p.buffer(s.out)
-                od = ops_mod.vector_op(s.op)
-                sticks = _vector_sticks(cv, s, out.dims, _lanes(cfg, out.dtype))
-                unit = "vector"
-                cyc = sticks * cfg.sfu_cycles(od.cost_class) / cfg.corelets_per_core
-                if c == 0:
-                    vector_ops += _elements(p, out.dims) * od.flops
-            elif isinstance(s, Reduce):
-                src, out = p.buffer(s.input), p.buffer(s.out)
-                lanes = _lanes(cfg, src.dtype)
-                sticks = _vector_sticks(cv, s, src.dims, lanes)
-                outs = cv.count(s, out.dims) * math.prod(cv.dim_sum(s, d) for d in out.dims)
-                unit = "vector"
-                tree = outs * cfg.sfu_reduction_tree_cycles if src.dims[-1] == s.dim else 0
-                cyc = (sticks * cfg.sfu_reduction_cycles + tree) / cfg.corelets_per_core
-                if c == 0:
-                    vector_ops += _elements(p, src.dims)
-            elif isinstance(s, RingAllReduce):
-                buf = p.buffer(s.buffer)
-                group = p.dim(s.dim).cores
-                stride = _group_stride(program, s.dim)
-                se = cfg.stick_bytes // _itemsize(buf.dtype)
-                sticks = _vector_sticks(cv, s, buf.dims, se)
-                nbytes = sticks * cfg.stick_bytes
-                # bidirectional ring: reduce-scatter + all-gather, each core
-                # sends 2(P-1)/P of the data, half each way; interleaved
-                # groups share links (factor ``stride``)
-                sent = 2 * (group - 1) / group * nbytes
-                instances = math.prod(cv.tiles(d) for d in s.loops)
-                cyc = sent / (2 * cfg.ring_bytes_per_cycle) * stride
-                cyc += instances * 2 * (group - 1) * stride * cfg.ring_hop_cycles
-                unit = "ring"
-                ring_bytes += sent
-                # the combining adds run on the vector units
-                vec = (group - 1) / group * sticks / cfg.corelets_per_core
+            cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c])
+            for unit, cyc in cost.cycles.items():
+                busy[unit][c] += cyc
                 if overlaps(s):
-                    loop_b["vector"] += vec
+                    loop_b[unit] += cyc
                 else:
-                    serial += vec
-                busy["vector"][c] += vec
-            if overlaps(s):
-                loop_b[unit] += cyc
-            else:
-                serial += cyc
-            busy[unit][c] += cyc
+                    serial += cyc
+            overhead[c] += cost.setup
+            dram_bytes += cost.dram_bytes
+            ring_bytes += cost.ring_bytes
         n_iter = max(1, math.prod(cv.tiles(d) for d in p.loop_order)) if p.loop_order else 1
         if c == 0:
             n_iter_inner = n_iter
         total_b = sum(loop_b.values())
         peak = max(loop_b.values())
-        loop_t = peak + (total_b - peak) / n_iter
-        core_cycles[c] = serial + loop_t
-        overhead[c] = setup
+        core_cycles[c] = serial + peak + (total_b - peak) / n_iter
     launch_cycles = cfg.launch_overhead_s * clock
     slowest = max(range(ncores), key=lambda i: core_cycles[i])
     cycles = launch_cycles + core_cycles[slowest]
@@ -383,6 +323,71 @@ def estimate(program: Program, config: HardwareConfig | None = None) -> KernelRe
         dtype=str(mm_dtype).removeprefix("torch."),
         extra={"pipelined": float(pipelined), "inner_iterations": float(n_iter_inner or 1)},
     )
+
+
+@dataclass
+class _Cost:
+    """What one step costs one core over all its instances."""
+
+    cycles: dict[str, float] = field(default_factory=dict)
+    setup: float = 0.0  # DMA set-up cycles (part of cycles["dma"])
+    dram_bytes: float = 0.0
+    ring_bytes: float = 0.0
+
+
+def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: float) -> _Cost:
+    p = cv.p
+    if isinstance(s, Load | Store):
+        n, nbytes = _transfer(cv, s)
+        cost = _Cost()
+        if isinstance(s, Load) and s.multicast:
+            # each core of the group reads 1/group, the ring all-gathers the rest
+            group, stride = p.multicast_group(s)
+            cost.ring_bytes = (group - 1) / group * nbytes
+            ring = cost.ring_bytes / (2 * cfg.ring_bytes_per_cycle) * stride
+            cost.cycles["ring"] = ring + n * (group // 2) * stride * cfg.ring_hop_cycles
+            nbytes /= group
+        cost.setup = n * cfg.dma_setup_cycles
+        cost.cycles["dma"] = cost.setup + nbytes * cycles_per_byte
+        cost.dram_bytes = nbytes
+        return cost
+    if isinstance(s, Matmul):
+        return _Cost({"pe": _matmul_cycles(cv, s, cfg)})
+    if isinstance(s, Vector):
+        out = p.buffer(s.out)
+        sticks = _vector_sticks(cv, s, out.dims, _lanes(cfg, out.dtype))
+        per_stick = cfg.sfu_cycles(ops_mod.vector_op(s.op).cost_class)
+        return _Cost({"vector": sticks * per_stick / cfg.corelets_per_core})
+    if isinstance(s, Reduce):
+        src, out = p.buffer(s.input), p.buffer(s.out)
+        sticks = _vector_sticks(cv, s, src.dims, _lanes(cfg, src.dtype))
+        outs = cv.count(s, out.dims) * math.prod(cv.dim_sum(s, d) for d in out.dims)
+        # a reduction along the stick ends in a cross-lane tree per output
+        tree = outs * cfg.sfu_reduction_tree_cycles if src.dims[-1] == s.dim else 0
+        return _Cost({"vector": (sticks * cfg.sfu_reduction_cycles + tree) / cfg.corelets_per_core})
+    assert isinstance(s, RingAllReduce)
+    buf = p.buffer(s.buffer)
+    group = p.dim(s.dim).cores
+    stride = _group_stride(p, s.dim)
+    sticks = _vector_sticks(cv, s, buf.dims, cfg.stick_bytes // _itemsize(buf.dtype))
+    # bidirectional ring: reduce-scatter + all-gather, each core sends
+    # 2(P-1)/P of the data, half each way; interleaved groups share links
+    sent = 2 * (group - 1) / group * sticks * cfg.stick_bytes
+    instances = math.prod(cv.tiles(d) for d in s.loops)
+    ring = sent / (2 * cfg.ring_bytes_per_cycle) * stride
+    ring += instances * 2 * (group - 1) * stride * cfg.ring_hop_cycles
+    # the combining adds of the reduce-scatter run on the vector units
+    vec = (group - 1) / group * sticks / cfg.corelets_per_core
+    return _Cost({"ring": ring, "vector": vec}, ring_bytes=sent)
+
+
+def _vector_ops(p: Program, s: Step) -> float:
+    """Operations the vector units do for ``s`` on the whole card (for rooflines)."""
+    if isinstance(s, Vector):
+        return _elements(p, p.buffer(s.out).dims) * ops_mod.vector_op(s.op).flops
+    if isinstance(s, Reduce):
+        return _elements(p, p.buffer(s.input).dims)
+    return 0.0
 
 
 def _dram_bytes(p: Program, cv: _CoreView) -> float:

@@ -403,7 +403,8 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _truncate(text: str, limit: int = ERROR_CHARS) -> str:
-    text = " ".join(text.split())
+    # one line, and no object addresses: the report must not change between runs
+    text = re.sub(r"0x[0-9a-fA-F]+", "0x..", " ".join(text.split()))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -499,22 +500,28 @@ def _compare_arguments(sp: Any, cpu: Any, tol: tuple[float, float], values: bool
             _compare(s, c, tol, values, f"argument {i} after the op")
 
 
-_SHAPE = re.compile(r"\d+(?:\s*[,x]\s*\d+)*")
+# shapes as messages write them: [4, 3], (4, 3), (4,), [], torch.Size([4, 3]), 4x3
+_BRACKETED = re.compile(r"[\[(]\s*(\d+(?:\s*,\s*\d+)*)?\s*,?\s*[\])]")
+_CROSSED = re.compile(r"\b\d+(?:x\d+)+\b")
+
+
+def _shapes_in(text: str) -> set[tuple[int, ...]]:
+    found = {
+        tuple(int(d) for d in m.group(1).split(",")) if m.group(1) else ()
+        for m in _BRACKETED.finditer(text)
+    }
+    found |= {tuple(int(d) for d in m.group(0).split("x")) for m in _CROSSED.finditer(text)}
+    return found
 
 
 def _names_op_and_shape(message: str, op: Any, sample: Any) -> bool:
     """Does an error message say which op failed and on which shapes (design brief)?"""
     text = message.lower()
-    names = {op.name.split(".")[-1].lower(), op.name.lower()}
-    if getattr(op, "aten_name", None):
-        names.add(op.aten_name.lower())
-    if not any(n.strip("_") in text for n in names):
+    names = {op.name.split(".")[-1], op.name, getattr(op, "aten_name", None) or op.name}
+    if not any(n.lower().strip("_") in text for n in names):
         return False
-    shapes = [list(t.shape) for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)]
-    found = {tuple(int(d) for d in re.split(r"\s*[,x]\s*", m)) for m in _SHAPE.findall(text)}
-    return any(tuple(s) in found for s in shapes if s) or (
-        any(not s for s in shapes) and "[]" in text
-    )
+    shapes = {tuple(t.shape) for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor)}
+    return bool(shapes & _shapes_in(text))
 
 
 def run_sample(op: Any, sample: Any, dtype: torch.dtype) -> SampleOutcome:
@@ -650,19 +657,47 @@ def in_universe(op: Any, dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES) -> bool
     return any(d in supported for d in dtypes)
 
 
+class InplaceVariant:
+    """An OpInfo entry seen through its in-place variant (``x.add_(y)``), for --variant inplace."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.name = f"{op.name}_"
+        self.variant_test_name = op.variant_test_name
+        self.aten_name = getattr(op, "aten_name", op.name)
+
+    def supported_dtypes(self, device_type: str) -> Any:
+        return self.op.supported_dtypes(device_type)
+
+    def sample_inputs(self, device: str, dtype: torch.dtype) -> Any:
+        return self.op.sample_inputs(device, dtype)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op.inplace_variant(*args, **kwargs)
+
+
 def select_ops(
     ops: Iterable[Any],
     patterns: str | None = None,
     quick: bool = False,
     dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
+    variant: str = "function",
 ) -> list[Any]:
     """The universe, optionally filtered by comma-separated regexes or the quick subset.
 
     A pattern must match a whole name, either ``name`` or ``name[variant]``.
+    ``variant="inplace"`` gives the in-place variants of the ops that have one
+    (named ``op_``) instead of the functions.
     """
     chosen = [op for op in ops if in_universe(op, dtypes)]
+    if variant == "inplace":
+        chosen = [InplaceVariant(op) for op in chosen if op.inplace_variant is not None]
     if quick:
-        chosen = [op for op in chosen if op_key(op) in QUICK_OPS]
+        chosen = [
+            op
+            for op in chosen
+            if op_key(op.op if isinstance(op, InplaceVariant) else op) in QUICK_OPS
+        ]
     if patterns:
         regexes = [re.compile(p.strip()) for p in patterns.split(",") if p.strip()]
         chosen = [
@@ -856,6 +891,7 @@ def totals(results: Sequence[OpResult]) -> Totals:
 def _cause(error: str) -> str:
     """A failure's cause for grouping: the message without sample details and numbers."""
     text = re.sub(r"\[[^\]]*\]", "[..]", error)
+    text = re.sub(r"'[^']*'", "'..'", text)
     text = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)
     return _truncate(text, 110)
 
@@ -1052,6 +1088,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a fast subset: {len(QUICK_OPS)} representative ops, "
         f"{QUICK_MAX_SAMPLES} samples per dtype",
     )
+    p.add_argument(
+        "--variant",
+        choices=("function", "inplace"),
+        default="function",
+        help="what to call: the op (default; the one the report and its totals are about) "
+        "or its in-place variant x.op_(...), for ops that have one",
+    )
     p.add_argument("--max-samples", type=int, help="at most this many samples per op and dtype")
     p.add_argument(
         "--jobs",
@@ -1076,7 +1119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    ops = select_ops(load_op_db(), args.ops, args.quick, args.dtypes)
+    ops = select_ops(load_op_db(), args.ops, args.quick, args.dtypes, args.variant)
     if not ops:
         print("no op matches", file=sys.stderr)
         return 2
@@ -1109,7 +1152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"time: {elapsed:.1f} s for {len(ops)} ops")
 
     output = args.output
-    if output is None and not (args.ops or args.quick or args.max_samples):
+    if output is None and not (
+        args.ops or args.quick or args.max_samples or args.variant != "function"
+    ):
         output = DEFAULT_OUTPUT
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,68 @@
+"""Data-movement ops (cat, gather, scatter, index, pad, flip, roll, tril, ...),
+fills, scans and the random generators as DMA kernels of the card.
+
+Their values are computed by torch on the card's memory (no PCIe copy is
+modelled: the data never leaves the card); their time is that of a DMA
+program moving every output byte through the LX once, read and written,
+which is what these ops cost on a machine whose cores do no arithmetic for
+them.  The program is named after the op, so the profiler shows the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from torch_spyre.ops import launch, programs
+from torch_spyre.runtime.fallback import run_on_values
+
+#: aten base names served here
+MOVEMENT = {
+    "cat", "stack", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce",
+    "index_add", "index_copy", "index_fill", "index", "index_put", "_index_put_impl",
+    "embedding", "embedding_dense_backward", "constant_pad_nd", "reflection_pad1d",
+    "reflection_pad2d", "replication_pad1d", "replication_pad2d", "tril", "triu", "flip",
+    "roll", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "repeat",
+    "repeat_interleave", "fill", "zero", "masked_fill", "masked_scatter", "masked_select",
+    "take", "put", "diag_embed", "diagonal_copy", "narrow_copy", "unfold_copy", "arange",
+    "linspace", "logspace", "eye", "full", "ones", "zeros", "empty_like", "uniform", "normal",
+    "bernoulli", "random", "exponential", "geometric", "cauchy", "log_normal", "randperm",
+    "multinomial", "native_dropout", "tril_indices", "triu_indices", "_unsafe_index",
+    "nonzero", "where", "clone", "_to_copy", "bucketize", "searchsorted", "histc",
+    "unique_consecutive", "_unique2", "unique_dim", "one_hot", "alias_copy", "view_copy",
+    "permute_copy", "expand_copy", "t_copy", "transpose_copy", "slice_copy", "select_copy",
+    "split_copy", "unbind_copy", "squeeze_copy", "unsqueeze_copy", "as_strided_copy",
+    "new_zeros", "new_ones", "new_full", "new_empty", "diag", "col2im", "im2col",
+    "_pdist_forward", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle", "slice_scatter",
+    "select_scatter", "diagonal_scatter", "as_strided_scatter", "_cdist_forward",
+    "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d", "upsample_nearest2d",
+    "upsample_bilinear2d", "grid_sampler_2d", "_embedding_bag", "count_nonzero", "bincount",
+    "sort", "topk", "kthvalue", "median", "nanmedian", "mode", "msort", "argsort",
+}  # fmt: skip
+
+
+def run(op, args: tuple, kwargs: dict):
+    out = run_on_values(op, args, kwargs, pcie=False)
+    moved = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not moved:
+        return out
+    nbytes = sum(t.numel() * t.element_size() for t in moved)
+    device = moved[0].device.index
+    if nbytes:
+        base = op._schema.name.split("::")[-1]
+        key = ("dma", base, nbytes)
+        k = launch.kernel(
+            key,
+            lambda: launch.Kernel(
+                programs.pointwise(
+                    "copy",
+                    (nbytes,),
+                    torch.uint8,
+                    [((nbytes,), torch.uint8)],
+                    name=f"{base}_{nbytes}B",
+                )
+            ),
+        )
+        if k.program is not None:
+            k.model_only(device)
+    return out
