@@ -61,6 +61,7 @@ def test_elementwise_unary(card, op, ref):
         (100, 200, 300, (4, 2, 1)),
         (64, 128, 512, (1, 2, 4)),
         (1, 4096, 4096, None),
+        (50, 70, 300, (1, 1, 4)),
     ],
 )
 def test_matmul(card, m, n, k, split):
@@ -156,3 +157,12 @@ def test_elementwise_broadcast_and_mixed_dtypes(card):
     bufs = device_buffers(p, in0=x, in1=col)
     card.run(p, bufs)
     torch.testing.assert_close(host_value(p, bufs), (x.float() * col).half())
+
+
+def test_program_from_json_runs_the_same(card):
+    p = K.softmax(64, 300, cores=4)
+    q = Program.from_json(p.to_json())
+    x = torch.randn(64, 300, dtype=torch.float16)
+    a, b = device_buffers(p, x=x), device_buffers(q, x=x)
+    assert card.run(p, a) == card.run(q, b)
+    assert torch.equal(a["out"], b["out"])

@@ -11,6 +11,7 @@ def register() -> None:
     if _libs:
         return
     from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
+        adapters,
         dispatch,
         matmul,
         normalization,

@@ -25,11 +25,9 @@ def _route(op) -> list[tuple[str, Handler]]:
     base = op._schema.name.split("::")[-1].rstrip("_")
     if base in ADAPTERS:
         routes.append(("adapter", ADAPTERS[base]))
-    elif pointwise.is_pointwise(op):
+    if pointwise.is_pointwise(op):
         routes.append(("kernel", pointwise.run))
-    if base in movement.MOVEMENT or (
-        base.removesuffix("_") in movement.MOVEMENT
-    ):
+    if base in movement.MOVEMENT:
         routes.append(("kernel", movement.run))
     return routes
 

@@ -1,0 +1,296 @@
+"""Adapters: ops the card cannot do directly, rewritten into mathematically
+equivalent sequences of ops it can (each of which runs as a device kernel).
+
+One registry, ``ADAPTERS``, with the reason for each.  An adapter receives the
+aten overload as called (functional, in-place or out=) and returns
+NotImplemented for inputs it does not serve (they go on to the next path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from torch_spyre.ops import dispatch
+
+
+@dataclass(frozen=True)
+class Adapter:
+    fn: Callable[..., torch.Tensor | tuple | None]
+    reason: str
+
+
+ADAPTERS: dict[str, Adapter] = {}
+
+
+def adapter(*names: str, reason: str):
+    def wrap(fn):
+        for name in names:
+            ADAPTERS[name] = Adapter(fn, reason)
+            dispatch.ADAPTERS[name] = _entry(fn)
+        return fn
+
+    return wrap
+
+
+# ----------------------------------------------------------- call plumbing
+def _bind(op, args: tuple, kwargs: dict) -> dict:
+    """Arguments by schema name."""
+    bound = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            bound[a.name] = a.default_value
+    return bound
+
+
+def _written(op) -> list[str]:
+    return [
+        a.name
+        for a in op._schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _entry(fn):
+    """Run ``fn`` on the functional arguments and honour in-place / out=."""
+
+    def handler(op, args, kwargs):
+        bound = _bind(op, args, kwargs)
+        targets = _written(op)
+        dests = [bound["self"] if t == "self" else bound.pop(t) for t in targets]
+        result = fn(op, bound)
+        if result is NotImplemented or not dests:
+            return result
+        results = result if isinstance(result, tuple) else (result,)
+        if len(results) != len(dests):
+            return NotImplemented
+        for dest, res in zip(dests, results):
+            if dest.shape != res.shape:
+                dest.resize_(res.shape)
+            dest.copy_(res)
+        return tuple(dests) if isinstance(result, tuple) else dests[0]
+
+    return handler
+
+
+def _spyre_float(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "spyre" and x.dtype in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    )
+
+
+# ------------------------------------------------------------ sin and cos
+# The vector units evaluate exp/log/tanh/rsqrt natively but have no sine:
+# reduce the argument to [-pi, pi] with a two-constant (Cody-Waite) 2*pi,
+# then evaluate a Taylor polynomial in Horner form (degree 17/16: error below
+# 3e-8 on [-pi, pi], under fp32's resolution there).
+_TWO_PI_HI = 6.28125  # exactly representable: k * hi is exact for |k| < 2**16
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+_SIN = [(-1) ** i / math.factorial(2 * i + 1) for i in range(9)]
+_COS = [(-1) ** i / math.factorial(2 * i) for i in range(9)]
+
+
+def _reduce_2pi(x: torch.Tensor) -> torch.Tensor:
+    k = torch.round(x * (1.0 / (2 * math.pi)))
+    return (x - k * _TWO_PI_HI) - k * _TWO_PI_LO
+
+
+def _horner(y2: torch.Tensor, coeffs: list[float]) -> torch.Tensor:
+    acc = torch.full_like(y2, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc * y2 + c
+    return acc
+
+
+def _trig(op, bound, cos: bool):
+    x = bound["self"]
+    if not _spyre_float(x) or x.numel() == 0:
+        return NotImplemented
+    xf = x.float()
+    y = _reduce_2pi(xf)
+    y2 = y * y
+    out = _horner(y2, _COS) if cos else y * _horner(y2, _SIN)
+    return out.to(x.dtype)
+
+
+@adapter("sin", reason="no sine on the vector units: range reduction + polynomial (mul/add)")
+def _sin(op, bound):
+    return _trig(op, bound, cos=False)
+
+
+@adapter("cos", reason="no cosine on the vector units: range reduction + polynomial (mul/add)")
+def _cos(op, bound):
+    return _trig(op, bound, cos=True)
+
+
+# -------------------------------------------------------- integer division
+# The card divides in floating point only: the quotient is estimated in fp32
+# and corrected with exact integer multiply/compare steps (two rounds reach
+# the exact quotient for |a| < 2**31).
+_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+def _int_operands(bound):
+    a, b = bound["self"], bound["other"]
+    if not isinstance(a, torch.Tensor) or a.device.type != "spyre" or a.dtype not in _INTS:
+        return None
+    if isinstance(b, torch.Tensor):
+        if b.dtype not in _INTS or (b.device.type != "spyre" and b.dim() != 0):
+            return None
+        if b.device.type != "spyre":
+            b = b.item()
+    elif not isinstance(b, int) or isinstance(b, bool):
+        return None
+    if isinstance(b, int):
+        b = torch.full((), b, dtype=a.dtype, device=a.device)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
+def _check_nonzero(b: torch.Tensor) -> None:
+    if bool((b == 0).any()):
+        raise RuntimeError("ZeroDivisionError")  # what torch's integer division raises
+
+
+def _floor_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    q = torch.floor(a.float() / b.float()).to(a.dtype)
+    for _ in range(2):
+        r = a - q * b
+        # floor semantics: r has b's sign (or is 0) and |r| < |b|
+        too_big = (r != 0) & ((r < 0) != (b < 0))
+        q = q - too_big.to(a.dtype)
+        r = a - q * b
+        too_small = (r != 0) & ((r < 0) == (b < 0)) & (r.abs() >= b.abs())
+        q = q + too_small.to(a.dtype)
+    return q
+
+
+def _trunc_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    q = torch.trunc(a.float() / b.float()).to(a.dtype)
+    for _ in range(2):
+        r = a - q * b
+        # trunc semantics: r has a's sign (or is 0) and |r| < |b|
+        over = (r != 0) & ((r < 0) != (a < 0))
+        q = q - torch.where(over, torch.sign(a) * torch.sign(b), torch.zeros_like(q))
+        r = a - q * b
+        under = (r.abs() >= b.abs()) & (r != 0)
+        q = q + torch.where(under, torch.sign(a) * torch.sign(b), torch.zeros_like(q))
+    return q
+
+
+@adapter("floor_divide", reason="integer division: fp32 quotient + exact integer correction")
+def _floor_divide(op, bound):
+    ab = _int_operands(bound)
+    if ab is None:
+        return NotImplemented
+    _check_nonzero(ab[1])
+    return _floor_div(*ab)
+
+
+@adapter("div", "true_divide", reason="integer division with rounding: fp32 + correction")
+def _div(op, bound):
+    mode = bound.get("rounding_mode")
+    if mode is None:
+        return NotImplemented  # true division of ints is a float op (vector unit)
+    ab = _int_operands(bound)
+    if ab is None:
+        return NotImplemented
+    _check_nonzero(ab[1])
+    return _floor_div(*ab) if mode == "floor" else _trunc_div(*ab)
+
+
+@adapter("remainder", reason="integer remainder: a - b * floor(a / b) with exact correction")
+def _remainder(op, bound):
+    ab = _int_operands(bound)
+    if ab is None:
+        return NotImplemented
+    _check_nonzero(ab[1])
+    a, b = ab
+    return a - _floor_div(a, b) * b
+
+
+@adapter("fmod", reason="integer fmod: a - b * trunc(a / b) with exact correction")
+def _fmod(op, bound):
+    ab = _int_operands(bound)
+    if ab is None:
+        return NotImplemented
+    _check_nonzero(ab[1])
+    a, b = ab
+    return a - _trunc_div(a, b) * b
+
+
+# --------------------------------------------------------- sorting family
+# No sorting unit: the rank of each element is counted with one broadcast
+# comparison and a sum (O(n^2) work per row, all on the vector units), then
+# the elements are scattered to their ranks.  Rows up to _MAX_SORT elements.
+_MAX_SORT = 2048
+
+
+def _sort_rows(x: torch.Tensor, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted values and indices of ``x`` along its last dim (stable)."""
+    n = x.shape[-1]
+    xi = x.unsqueeze(-1)  # element i
+    xj = x.unsqueeze(-2)  # element j
+    nan_i, nan_j = torch.isnan(xi), torch.isnan(xj)
+    if descending:  # NaN first, as torch.sort does
+        before = (xj > xi) | (nan_j & ~nan_i)
+    else:  # NaN last
+        before = (xj < xi) | (nan_i & ~nan_j)
+    tie = (xj == xi) | (nan_i & nan_j)
+    idx = torch.arange(n, device=x.device)
+    earlier = idx.view(1, n) < idx.view(n, 1)  # j < i
+    rank = (before | (tie & earlier)).sum(-1)
+    values = torch.empty_like(x).scatter_(-1, rank, x)
+    indices = torch.empty(x.shape, dtype=torch.int64, device=x.device).scatter_(
+        -1, rank, idx.expand(x.shape).contiguous()
+    )
+    return values, indices
+
+
+def _sortable(x) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "spyre"
+        and x.dtype != torch.bool
+        and x.numel() > 0
+    )
+
+
+@adapter("sort", reason="no sorting unit: rank by broadcast comparison + sum, then scatter")
+def _sort(op, bound):
+    x = bound["self"]
+    dim = bound.get("dim", -1)
+    if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT:
+        return NotImplemented
+    xm = x.movedim(dim, -1)
+    v, i = _sort_rows(xm, bool(bound.get("descending", False)))
+    return v.movedim(-1, dim), i.movedim(-1, dim)
+
+
+@adapter("argsort", reason="no sorting unit: rank by broadcast comparison + sum, then scatter")
+def _argsort(op, bound):
+    x = bound["self"]
+    dim = bound.get("dim", -1)
+    if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT:
+        return NotImplemented
+    return _sort_rows(x.movedim(dim, -1), bool(bound.get("descending", False)))[1].movedim(-1, dim)
+
+
+@adapter("topk", reason="no sorting unit: the first k of the comparison-count sort")
+def _topk(op, bound):
+    x = bound["self"]
+    k = bound["k"]
+    dim = bound.get("dim", -1)
+    if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT or k > x.shape[dim]:
+        return NotImplemented
+    v, i = _sort_rows(x.movedim(dim, -1), bool(bound.get("largest", True)))
+    return v[..., :k].movedim(-1, dim).contiguous(), i[..., :k].movedim(-1, dim).contiguous()
