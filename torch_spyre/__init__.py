@@ -10,7 +10,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from torch_spyre.runtime import registration as _registration
+
+def _autoload() -> None:
+    """Entry point of the ``torch.backends`` group: importing is registering.
+
+    Defined before ``import torch``: when torch_spyre is imported first, torch's
+    own import calls this entry point while torch_spyre is still initialising.
+    """
+
+
+import torch  # noqa: E402, F401
+
+from torch_spyre.runtime import registration as _registration  # noqa: E402
 
 _registration.register()
 
@@ -25,11 +36,6 @@ from torch_spyre.runtime.fallback import (  # noqa: E402
     reset_fallback_counts,
     set_fallback_policy,
 )
-
-
-def _autoload() -> None:
-    """Entry point of the ``torch.backends`` group: importing is registering."""
-
 
 __all__ = [
     "SUPPORTED_DTYPES",

@@ -52,9 +52,7 @@ def _bind(op, args: tuple, kwargs: dict) -> dict:
 
 def _written(op) -> list[str]:
     return [
-        a.name
-        for a in op._schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write
+        a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write
     ]
 
 
@@ -81,10 +79,15 @@ def _entry(fn):
 
 
 def _spyre_float(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.device.type == "spyre" and x.dtype in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
+    return (
+        isinstance(x, torch.Tensor)
+        and x.device.type == "spyre"
+        and x.dtype
+        in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+        )
     )
 
 

@@ -117,8 +117,7 @@ def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
                 bias=None if bias_arg is None else (tuple(bias_arg[0].shape), bias_arg[1]),
                 alpha=alpha,
                 beta=beta,
-                name=f"{'addmm' if bias is not None else 'mm'}_"
-                f"{'x'.join(map(str, out_shape))}x{k}",
+                name=f"{'addmm' if bias is not None else 'mm'}_{'x'.join(map(str, out_shape))}x{k}",
             )
         )
 

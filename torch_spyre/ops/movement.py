@@ -28,7 +28,7 @@ MOVEMENT = {
     "linspace", "logspace", "eye", "full", "ones", "zeros", "empty_like", "uniform", "normal",
     "bernoulli", "random", "exponential", "geometric", "cauchy", "log_normal", "randperm",
     "multinomial", "native_dropout", "tril_indices", "triu_indices", "_unsafe_index",
-    "nonzero", "where", "clone", "_to_copy", 
+    "nonzero", "where", "clone", "_to_copy",
     "one_hot", "alias_copy", "view_copy",
     "permute_copy", "expand_copy", "t_copy", "transpose_copy", "slice_copy", "select_copy",
     "split_copy", "unbind_copy", "squeeze_copy", "unsqueeze_copy", "as_strided_copy",
@@ -36,8 +36,8 @@ MOVEMENT = {
     "_pdist_forward", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle", "slice_scatter",
     "select_scatter", "diagonal_scatter", "as_strided_scatter", "_cdist_forward",
     "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d", "upsample_nearest2d",
-    "upsample_bilinear2d", "grid_sampler_2d", "_embedding_bag", 
-    
+    "upsample_bilinear2d", "grid_sampler_2d", "_embedding_bag",
+
 }  # fmt: skip
 
 

@@ -32,8 +32,10 @@ def base_of(t: torch.Tensor) -> torch.Tensor | None:
     if t.storage_offset() != 0 or not t.is_contiguous():
         return None
     lay = access.storage_layout(t)
-    if lay.dtype != t.dtype or lay.numel != t.numel() or lay != SpyreTensorLayout.default(
-        lay.host_size, lay.dtype
+    if (
+        lay.dtype != t.dtype
+        or lay.numel != t.numel()
+        or lay != SpyreTensorLayout.default(lay.host_size, lay.dtype)
     ):
         return None
     if lay.host_size == tuple(t.shape):

@@ -297,10 +297,14 @@ def matmul(
         split[d] = c
         pb_total *= c
     rest = cfg.cores // pb_total
-    pm, pn, _ = default_matmul_split(m, n, k, cfg.replace(cores=max(rest, 1))) if rest > 1 else (
-        1,
-        1,
-        1,
+    pm, pn, _ = (
+        default_matmul_split(m, n, k, cfg.replace(cores=max(rest, 1)))
+        if rest > 1
+        else (
+            1,
+            1,
+            1,
+        )
     )
     # rows: split the outermost row dim that can take pm
     row_split = next((d for d in rows if sizes[d] >= pm), rows[0] if rows else None)

@@ -65,9 +65,11 @@ def reduce(
     """``name`` over ``dim`` of spyre tensor ``x`` as one kernel."""
     dims = _dims(x, dim)
     kept = [d for d in range(x.dim()) if d not in dims]
-    out_shape = [1 if d in dims else s for d, s in enumerate(x.shape)] if keepdim else [
-        x.shape[d] for d in kept
-    ]
+    out_shape = (
+        [1 if d in dims else s for d, s in enumerate(x.shape)]
+        if keepdim
+        else [x.shape[d] for d in kept]
+    )
     count = math.prod(x.shape[d] for d in dims) if x.dim() else 1
     if x.numel() == 0 or count == 0:
         raise NoKernel  # identity-valued or error cases: PyTorch's semantics
