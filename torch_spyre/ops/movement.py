@@ -18,26 +18,28 @@ from torch_spyre.runtime.fallback import run_on_values
 
 #: aten base names served here
 MOVEMENT = {
+    # gathers, scatters, concatenation, padding, reordering, masking
     "cat", "stack", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce",
     "index_add", "index_copy", "index_fill", "index", "index_put", "_index_put_impl",
-    "embedding", "embedding_dense_backward", "constant_pad_nd", "reflection_pad1d",
-    "reflection_pad2d", "replication_pad1d", "replication_pad2d", "tril", "triu", "flip",
-    "roll", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "repeat",
-    "repeat_interleave", "fill", "zero", "masked_fill", "masked_scatter", "masked_select",
-    "take", "put", "diag_embed", "diagonal_copy", "narrow_copy", "unfold_copy", "arange",
-    "linspace", "logspace", "eye", "full", "ones", "zeros", "empty_like", "uniform", "normal",
-    "bernoulli", "random", "exponential", "geometric", "cauchy", "log_normal", "randperm",
-    "multinomial", "native_dropout", "tril_indices", "triu_indices", "_unsafe_index",
-    "nonzero", "where", "clone", "_to_copy",
-    "one_hot", "alias_copy", "view_copy",
-    "permute_copy", "expand_copy", "t_copy", "transpose_copy", "slice_copy", "select_copy",
-    "split_copy", "unbind_copy", "squeeze_copy", "unsqueeze_copy", "as_strided_copy",
-    "new_zeros", "new_ones", "new_full", "new_empty", "diag", "col2im", "im2col",
-    "_pdist_forward", "channel_shuffle", "pixel_shuffle", "pixel_unshuffle", "slice_scatter",
-    "select_scatter", "diagonal_scatter", "as_strided_scatter", "_cdist_forward",
-    "max_pool2d_with_indices", "avg_pool2d", "_adaptive_avg_pool2d", "upsample_nearest2d",
-    "upsample_bilinear2d", "grid_sampler_2d", "_embedding_bag",
-
+    "_unsafe_index", "embedding", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+    "replication_pad1d", "replication_pad2d", "tril", "triu", "flip", "roll", "repeat",
+    "repeat_interleave", "masked_fill", "masked_scatter", "masked_select", "take", "put",
+    "diag", "diag_embed", "nonzero", "where", "one_hot", "im2col", "channel_shuffle",
+    "pixel_shuffle", "pixel_unshuffle", "slice_scatter", "select_scatter",
+    "diagonal_scatter", "as_strided_scatter", "tril_indices", "triu_indices",
+    # copies of views
+    "clone", "_to_copy", "alias_copy", "view_copy", "permute_copy", "expand_copy", "t_copy",
+    "transpose_copy", "slice_copy", "select_copy", "split_copy", "unbind_copy",
+    "squeeze_copy", "unsqueeze_copy", "as_strided_copy", "diagonal_copy", "narrow_copy",
+    "unfold_copy",
+    # fills and factories: one store pass
+    "fill", "zero", "arange", "linspace", "logspace", "eye", "full", "ones", "zeros",
+    "new_zeros", "new_ones", "new_full", "new_empty", "empty_like",
+    # scans: one pass of the vector unit along the row
+    "cumsum", "cumprod", "cummax", "cummin",
+    # random generators (the card's generator state is the spyre Generator)
+    "uniform", "normal", "bernoulli", "random", "exponential", "geometric", "cauchy",
+    "log_normal", "randperm", "multinomial", "native_dropout",
 }  # fmt: skip
 
 

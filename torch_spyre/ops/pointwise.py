@@ -36,8 +36,15 @@ def _base(op) -> str:
     return op._schema.name.split("::")[-1].rstrip("_")
 
 
+#: elementwise ops that PyTorch does not tag pointwise (on some overloads)
+_UNTAGGED = {"hardswish", "where", "copysign", "_prelu_kernel"}
+
+
 def is_pointwise(op) -> bool:
-    return torch.Tag.pointwise in op.tags
+    if torch.Tag.pointwise in op.tags or _base(op) in _UNTAGGED:
+        return True
+    func = _functional(op)  # gelu.out is untagged, gelu.default is not
+    return func is not None and torch.Tag.pointwise in func.tags
 
 
 class _Slot:
