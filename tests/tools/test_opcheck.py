@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import time
 from typing import Any
 
 import pytest
@@ -206,6 +207,15 @@ def test_fallback_policy_is_silent_during_the_run_and_restored():
         assert torch_spyre.get_fallback_policy() == "error"
     finally:
         torch_spyre.set_fallback_policy("warn")
+
+
+def test_process_wide_dispatch_counts_are_kept():
+    # the tool counts per sample by difference: a profiler's counts survive it
+    dispatch_stats.record("fallback", "opcheck_test.sentinel")
+    _run(FakeOp("host_only", lambda x: torch.ops.opcheck_test.host_only(x)))
+    counts = dispatch_stats.counts("fallback")
+    assert counts["opcheck_test.sentinel"] == 1
+    assert any("host_only" in k for k in counts)
     dispatch_stats.reset()
 
 
@@ -224,6 +234,16 @@ def test_a_crash_is_reported_and_the_run_goes_on():
     assert crashed.path == opcheck.CRASH
     assert "SIGABRT" in crashed.first_error and "fp32 sample 0" in crashed.first_error_at
     assert fine.path == opcheck.KERNEL and fine.passed == 1
+
+
+def test_a_hung_op_is_killed_and_reported():
+    def hang(x):
+        if _on_spyre(x):
+            time.sleep(60)
+        return x.clone()
+
+    [hung] = opcheck.run_in_workers([FakeOp("hangs", hang)], jobs=1, timeout_s=1)
+    assert hung.path == opcheck.CRASH and "timed out after 1 s" in hung.first_error
 
 
 def test_workers_give_the_same_results_as_in_process():

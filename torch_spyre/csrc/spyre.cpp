@@ -60,6 +60,24 @@ static int g_num_cards = 1;
 static CardStats g_stats[kMaxCards];
 static std::unordered_map<void*, Block> g_blocks;
 static std::unordered_map<void*, Layout> g_layouts;
+// Distinct layouts get small ids, so Python can cache its layout objects by
+// id instead of rebuilding them from sizes on every op.
+static std::unordered_map<std::string, int64_t> g_layout_ids;
+static std::unordered_map<void*, int64_t> g_layout_of_ptr;
+
+static int64_t intern_layout(const Layout& l) {
+  std::string key = std::to_string(static_cast<int>(l.dtype));
+  for (auto v : l.host_size) key += "," + std::to_string(v);
+  key += "|";
+  for (auto v : l.device_size) key += "," + std::to_string(v);
+  key += "|";
+  for (auto v : l.dim_map) key += "," + std::to_string(v);
+  auto it = g_layout_ids.find(key);
+  if (it != g_layout_ids.end()) return it->second;
+  int64_t id = static_cast<int64_t>(g_layout_ids.size());
+  g_layout_ids.emplace(std::move(key), id);
+  return id;
+}
 static std::atomic<int64_t> g_clock_ps[kMaxCards];  // modelled device time
 thread_local int t_current_device = 0;
 
@@ -96,6 +114,7 @@ static void free_block(void* ptr) {
       g_blocks.erase(it);
     }
     g_layouts.erase(ptr);
+    g_layout_of_ptr.erase(ptr);
   }
   std::free(ptr);
 }
@@ -228,6 +247,7 @@ static at::Tensor empty_with_layout(Layout layout, c10::IntArrayRef size, c10::I
   void* ptr = data.get();
   if (ptr != nullptr) {
     std::lock_guard<std::mutex> lock(g_mutex);
+    g_layout_of_ptr[ptr] = intern_layout(layout);
     g_layouts[ptr] = std::move(layout);
   }
   auto storage = c10::Storage(c10::Storage::use_byte_size_t(), logical_nbytes, std::move(data),
@@ -593,6 +613,14 @@ static py::object layout_of(const at::Tensor& t) {
                         py::cast(c10::toString(l.dtype)));
 }
 
+// The interned id of the layout behind `t`, or -1 for a linear storage.
+static int64_t layout_id(const at::Tensor& t) {
+  void* ptr = t.storage().data_ptr().get();
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_layout_of_ptr.find(ptr);
+  return it == g_layout_of_ptr.end() ? -1 : it->second;
+}
+
 static void set_layout(const at::Tensor& t, std::vector<int64_t> host_size,
                        std::vector<int64_t> device_size, std::vector<int64_t> dim_map) {
   void* ptr = t.storage().data_ptr().get();
@@ -603,6 +631,7 @@ static void set_layout(const at::Tensor& t, std::vector<int64_t> host_size,
   Layout l{host_size, device_size, dim_map, t.scalar_type()};
   TORCH_CHECK(round_to_stick(layout_nbytes(l)) <= it->second.nbytes,
               "layout needs more device memory than the storage holds");
+  g_layout_of_ptr[ptr] = intern_layout(l);
   g_layouts[ptr] = std::move(l);
 }
 
@@ -635,6 +664,26 @@ static at::Tensor device_bytes(const at::Tensor& t) {
       ptr, {n}, [keep](void*) { delete keep; }, at::TensorOptions().dtype(at::kByte));
 }
 
+// device_bytes(t) viewed as `dtype` of `sizes` (row-major): the device tensor
+// of a storage's layout, in one call on the eager hot path.
+static at::Tensor device_tensor(const at::Tensor& t, c10::ScalarType dtype,
+                                std::vector<int64_t> sizes) {
+  TORCH_CHECK(t.device().type() == c10::DeviceType::PrivateUse1, "not a spyre tensor");
+  auto storage = t.storage();
+  void* ptr = storage.data_ptr().get();
+  int64_t need = static_cast<int64_t>(c10::elementSize(dtype));
+  for (auto s : sizes) need *= s;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_blocks.find(ptr);
+    int64_t have = it != g_blocks.end() ? it->second.nbytes : 0;
+    TORCH_CHECK(need <= have, "device tensor of ", need, " bytes over a block of ", have);
+  }
+  auto keep = new c10::Storage(storage);
+  return at::from_blob(
+      ptr, sizes, [keep](void*) { delete keep; }, at::TensorOptions().dtype(dtype));
+}
+
 static void advance_clock(int device, double seconds) {
   check_device(device);
   g_clock_ps[device].fetch_add(static_cast<int64_t>(seconds * 1e12));
@@ -652,6 +701,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_stats", &spyre::stats);
   m.def("_reset_peak", &spyre::reset_peak);
   m.def("_layout_of", &spyre::layout_of);
+  m.def("_layout_id", &spyre::layout_id);
   m.def("_set_layout", &spyre::set_layout);
   m.def("_default_generator", [](int d) {
     return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(
@@ -660,9 +710,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_drop_layout", [](const at::Tensor& t) {
     std::lock_guard<std::mutex> lock(spyre::g_mutex);
     spyre::g_layouts.erase(t.storage().data_ptr().get());
+    spyre::g_layout_of_ptr.erase(t.storage().data_ptr().get());
   });
   m.def("_empty_laid_out", &spyre::empty_laid_out);
   m.def("_device_bytes", &spyre::device_bytes);
+  m.def("_device_tensor", &spyre::device_tensor);
   m.def("_advance_clock", &spyre::advance_clock);
   m.def("_clock_s", &spyre::clock_s);
   m.def("_resize_metadata", [](const at::Tensor& t, std::vector<int64_t> size) {

@@ -32,13 +32,17 @@ def _route(op) -> list[tuple[str, Handler]]:
     return routes
 
 
+_names: dict[Any, str] = {}
+
+
 def catch_all(op, *args, **kwargs):
     routes = _routes.get(op)
     if routes is None:
         routes = _routes[op] = _route(op)
+        _names[op] = str(op).removeprefix("aten.")
     for path, handler in routes:
         result = handler(op, args, kwargs)
         if result is not NotImplemented:
-            dispatch_stats.record(path, str(op).removeprefix("aten."))
+            dispatch_stats.record(path, _names[op])
             return result
     return host_fallback(op, *args, **kwargs)

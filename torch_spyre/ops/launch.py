@@ -34,7 +34,12 @@ class Kernel:
     def launch(self, tensors: dict[str, torch.Tensor]) -> KernelReport:
         """Run on the card of the operands; ``tensors`` are whole spyre tensors."""
         device = next(iter(tensors.values())).device.index
-        buffers = {name: operands.device_memory(t) for name, t in tensors.items()}
+        return self.launch_memory(
+            device, {name: operands.device_memory(t) for name, t in tensors.items()}
+        )
+
+    def launch_memory(self, device: int, buffers: dict[str, torch.Tensor]) -> KernelReport:
+        """Run on card ``device``; ``buffers`` are the operands' device memory."""
         rep = cards.card(device).run(self.program, buffers, self.report(device))
         cards.advance_clock(device, rep.time_s)
         return rep

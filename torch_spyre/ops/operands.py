@@ -17,10 +17,26 @@ from torch_spyre.runtime import access, cards
 
 def is_whole_default(t: torch.Tensor) -> bool:
     """True when ``t`` is all of its storage, in the default stick layout."""
+    return _whole_layout(t) is not None
+
+
+def _whole_layout(t: torch.Tensor) -> SpyreTensorLayout | None:
     if t.storage_offset() != 0 or not t.is_contiguous():
-        return False
+        return None
     lay = access.storage_layout(t)
-    return lay.dtype == t.dtype and lay.host_size == tuple(t.shape)
+    if lay.dtype == t.dtype and lay.host_size == tuple(t.shape):
+        return lay
+    return None
+
+
+def memory(t: torch.Tensor) -> torch.Tensor:
+    """The device memory of ``t`` as a whole default-layout operand (re-laid
+    first if it is not one)."""
+    lay = _whole_layout(t)
+    if lay is None:
+        t = relaid(t)
+        lay = access.storage_layout(t)
+    return access.device_tensor(t, lay)
 
 
 def base_of(t: torch.Tensor) -> torch.Tensor | None:

@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torch_spyre.ops import launch, operands, programs
 from torch_spyre.sim import ops as sim_ops
@@ -67,69 +66,82 @@ def _static_repr(v: Any) -> Any:
     return v
 
 
-def _register_vector_op(op, flat_template, spec, key) -> str:
+def _register_vector_op(op, template: list, spec: tuple[int, tuple[str, ...]], key) -> str:
     name = f"aten.{op}:{hash(key) & 0xFFFFFFFFFFFF:x}"
     if name in VECTOR_OPS:
         return name
-    slots = [i for i, v in enumerate(flat_template) if isinstance(v, _Slot)]
+    slots = [i for i, v in enumerate(template) if isinstance(v, _Slot)]
+    nargs, kwnames = spec
 
     def fn(*tensors: torch.Tensor) -> torch.Tensor:
-        flat = list(flat_template)
+        flat = list(template)
         for pos, t in zip(slots, tensors):
             flat[pos] = t
-        args, kwargs = tree_unflatten(flat, spec)
-        return op(*args, **kwargs)
+        return op(*flat[:nargs], **dict(zip(kwnames, flat[nargs:])))
 
     cost = "transcendental" if _base(op) in TRANSCENDENTAL else "simple"
     sim_ops.register_op(name, fn, cost, len(slots))
     return name
 
 
+class _Plan:
+    """What run() needs to know about an overload, worked out once."""
+
+    __slots__ = ("func", "out_name", "out_pos", "out_kwarg_only", "name")
+
+    def __init__(self, op) -> None:
+        schema = op._schema
+        mutable = [
+            a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+        ]
+        self.name = str(op).removeprefix("aten.")
+        self.out_name = mutable[0].name if mutable else None
+        self.out_pos = [a.name for a in schema.arguments].index(self.out_name) if mutable else -1
+        self.out_kwarg_only = bool(mutable) and mutable[0].kwarg_only
+        # the op on the *values* of the inputs: in-place and out= ops compute
+        # their functional overload and store the result
+        self.func = _functional(op) if mutable else op
+        if len(schema.returns) != 1 or len(mutable) > 1:
+            self.func = None
+
+
+_plans: dict[Any, _Plan] = {}
+
+
 def run(op, args: tuple, kwargs: dict) -> Any:
     """Run pointwise ``op`` as a device kernel; NotImplemented if it can't be."""
-    schema = op._schema
-    if len(schema.returns) != 1:
+    plan = _plans.get(op)
+    if plan is None:
+        plan = _plans[op] = _Plan(op)
+    func = plan.func
+    if func is None:
         return NotImplemented
     out_arg = None
-    mutable = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if len(mutable) > 1:
-        return NotImplemented
-    if mutable:
-        out_name = mutable[0].name
-        if out_name in kwargs:
-            out_arg = kwargs[out_name]
+    if plan.out_name is not None:
+        if plan.out_kwarg_only:
+            kwargs = dict(kwargs)
+            out_arg = kwargs.pop(plan.out_name)
         else:
-            idx = [a.name for a in schema.arguments].index(out_name)
-            out_arg = args[idx]
-    # the call with the *values* of the inputs: out= goes, the op is functional
-    call_kwargs = dict(kwargs)
-    call_args = list(args)
-    if mutable and mutable[0].kwarg_only:
-        call_kwargs.pop(mutable[0].name, None)
-        func = _functional(op)
-        if func is None:
-            return NotImplemented
-    elif mutable:  # in-place: self is written; compute the functional op
-        func = _functional(op)
-        if func is None:
-            return NotImplemented
-    else:
-        func = op
-    flat, spec = tree_flatten((tuple(call_args), call_kwargs))
+            out_arg = args[plan.out_pos] if plan.out_pos < len(args) else kwargs[plan.out_name]
+    kwnames = tuple(kwargs)
+    spec = (len(args), kwnames)
     tensors: list[torch.Tensor] = []
     template: list[Any] = []
     device = None
-    for v in flat:
-        if isinstance(v, torch.Tensor) and v.device.type == "spyre":
-            if device is not None and v.device != device:
-                return NotImplemented
-            device = v.device
-            template.append(_Slot(len(tensors)))
-            tensors.append(v)
-        elif isinstance(v, torch.Tensor):
-            if v.dim() != 0:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "spyre":
+                if device is not None and v.device != device:
+                    return NotImplemented
+                device = v.device
+                template.append(_Slot(len(tensors)))
+                tensors.append(v)
+            elif v.dim() != 0:
                 return NotImplemented  # a host tensor that isn't a scalar
-            template.append(v)
+            else:
+                template.append(v)
+        elif isinstance(v, list | tuple):
+            return NotImplemented  # no pointwise op of ours takes tensor lists
         else:
             template.append(v)
     if not tensors:
@@ -137,7 +149,7 @@ def run(op, args: tuple, kwargs: dict) -> Any:
     key = (
         "pw",
         func,
-        tuple((tuple(t.shape), t.dtype) for t in tensors),
+        tuple((t.shape, t.dtype) for t in tensors),
         tuple(_static_repr(v) for v in template if not isinstance(v, _Slot)),
         spec,
     )
@@ -146,17 +158,17 @@ def run(op, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     shape, dtype = k.info["shape"], k.info["dtype"]
     if out_arg is not None and tuple(out_arg.shape) != shape:
-        if mutable and not mutable[0].kwarg_only:
+        if not plan.out_kwarg_only:
             return NotImplemented  # in-place that would resize self: PyTorch's error
         out_arg.resize_(shape)
     if k.info["empty"]:
         return out_arg if out_arg is not None else torch.empty(shape, dtype=dtype, device=device)
-    bind = {f"in{i}": operands.whole(t) for i, t in enumerate(tensors)}
+    bind = {f"in{i}": operands.memory(t) for i, t in enumerate(tensors)}
     # out may alias an input: the executor loads every input before it stores
     direct = out_arg is not None and operands.is_whole_default(out_arg)
     out = out_arg if direct else torch.empty(shape, dtype=dtype, device=device)
-    bind["out"] = out
-    k.launch(bind)
+    bind["out"] = operands.device_memory(out)
+    k.launch_memory(device.index, bind)
     if out_arg is not None and not direct:
         out_arg.copy_(out)
         return out_arg
@@ -167,7 +179,8 @@ def _build(func, template, spec, tensors, key) -> launch.Kernel:
     """Output metadata (from the op's meta kernel) and the program."""
     metas = iter([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors])
     flat = [next(metas) if isinstance(v, _Slot) else v for v in template]
-    margs, mkwargs = tree_unflatten(flat, spec)
+    nargs, kwnames = spec
+    margs, mkwargs = flat[:nargs], dict(zip(kwnames, flat[nargs:]))
     try:
         out_meta = func(*margs, **mkwargs)
     except Exception:

@@ -43,8 +43,21 @@ def _layout(host: tuple, device: tuple, dim_map: tuple, dtype: str) -> SpyreTens
     return SpyreTensorLayout(host, device, dim_map, _DTYPES[dtype])
 
 
+_by_id: dict[int, SpyreTensorLayout] = {}
+
+
 def storage_layout(t: torch.Tensor) -> SpyreTensorLayout:
     """The stick layout of the storage behind spyre tensor ``t``."""
+    lid = _C._layout_id(t)
+    if lid >= 0:
+        lay = _by_id.get(lid)
+        if lay is None:
+            lay = _by_id[lid] = _layout_from_info(t)
+        return lay
+    return _layout_from_info(t)
+
+
+def _layout_from_info(t: torch.Tensor) -> SpyreTensorLayout:
     info = _C._layout_of(t)
     if info is None:
         if t.untyped_storage().nbytes() == 0:  # nothing allocated: nothing laid out yet
@@ -60,8 +73,9 @@ def device_tensor(t: torch.Tensor, layout: SpyreTensorLayout | None = None) -> t
     It aliases the card's memory: writes to it are writes to the device.
     """
     layout = layout or storage_layout(t)
-    raw = _C._device_bytes(t)
-    return raw[: layout.nbytes].view(layout.dtype).view(layout.device_size)
+    if layout.nbytes == 0:
+        return torch.empty(layout.device_size, dtype=layout.dtype)
+    return _C._device_tensor(t, layout.dtype, list(layout.device_size))
 
 
 def _covers_base(t: torch.Tensor, layout: SpyreTensorLayout) -> bool:

@@ -81,7 +81,8 @@ class SimulatedCard:
             self.clock_s += rep.time_s
             self._stats.kernels += 1
             self._stats.kernel_time_s += rep.time_s
-        trace.emit(trace.KernelRecord(self.index, start, rep))
+        if trace.listening():
+            trace.emit(trace.KernelRecord(self.index, start, rep))
         return rep
 
     # ---------------------------------------------------------- transfers

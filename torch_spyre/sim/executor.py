@@ -15,6 +15,8 @@ the buffer's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from torch_spyre.sim import ops as ops_mod
@@ -70,6 +72,10 @@ def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool =
                 f"elements of {o.layout.dtype} (device size {list(o.layout.device_size)}), got "
                 f"{t.numel()} of {t.dtype}"
             )
+    fast = _same_layout_elementwise(program)
+    if fast is not None:
+        fast(buffers)
+        return
     env: dict[str, _Value] = {}
     for s in program.steps:
         if isinstance(s, Load):
@@ -84,6 +90,68 @@ def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool =
             env[s.out] = _reduce(program, s, env)
         elif isinstance(s, RingAllReduce):
             env[s.buffer] = _allreduce(program, s, env[s.buffer])
+
+
+# program id -> (program, specialised runner or None); see _same_layout_elementwise
+_specialised: dict[int, tuple[Program, Callable[[dict[str, torch.Tensor]], None] | None]] = {}
+
+
+def _same_layout_elementwise(program: Program) -> Callable[[dict[str, torch.Tensor]], None] | None:
+    """A direct runner for the commonest eager kernel: loads of whole operands
+    that share one device layout, one vector op, one store.
+
+    Elementwise work does not care where an element sits, so it runs on the
+    device tensors as they lie (sticks, padding and all: padding is never
+    read back as a value), skipping the layout round trip.  Same numbers as
+    the general path; built once per program.
+    """
+    hit = _specialised.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    runner = None
+    steps = program.steps
+    names = tuple(d.name for d in program.dims)
+    if (
+        len(steps) >= 3
+        and all(isinstance(s, Load) for s in steps[:-2])
+        and isinstance(steps[-2], Vector)
+        and isinstance(steps[-1], Store)
+    ):
+        loads, vec, store = steps[:-2], steps[-2], steps[-1]
+        layouts = {program.operand(s.operand).layout.device_size for s in loads}
+        out_op = program.operand(store.operand)
+        layouts.add(out_op.layout.device_size)
+        bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
+        if (
+            len(layouts) == 1
+            and all(s.index == names for s in loads)
+            and store.index == names
+            and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
+            and tuple(vec.inputs) == tuple(s.buffer for s in loads)
+            and vec.out == store.buffer
+            and len({s.buffer for s in loads}) == len(loads)
+        ):
+            od = ops_mod.vector_op(vec.op)
+            out_dtype = program.buffer(vec.out).dtype
+            acc = _acc_dtype(out_dtype)
+            operands = [s.operand for s in loads]
+            scalars = vec.scalars
+
+            same = all(program.operand(o).layout.dtype == out_dtype for o in operands)
+
+            def runner(buffers: dict[str, torch.Tensor]) -> None:
+                args = [buffers[o] for o in operands]
+                if not same and acc.is_floating_point:
+                    args = [a.to(acc) if a.is_floating_point() else a for a in args]
+                # one op on 16-bit inputs: torch computes it in fp32 and rounds
+                # once, as the vector unit does; mixed dtypes go through acc
+                res = od.fn(*args, *scalars)
+                buffers[store.operand].view(res.shape).copy_(res)
+
+    if len(_specialised) > 8192:
+        _specialised.clear()
+    _specialised[id(program)] = (program, runner)
+    return runner
 
 
 def _load(program: Program, s: Load, buffers: dict[str, torch.Tensor]) -> _Value:

@@ -68,6 +68,11 @@ def remove_listener(fn: Listener) -> None:
         _listeners.remove(fn)
 
 
+def listening() -> bool:
+    """Whether anyone collects records (so hot paths can skip building them)."""
+    return bool(_listeners)
+
+
 def emit(record: Record) -> None:
     for fn in list(_listeners):
         fn(record)

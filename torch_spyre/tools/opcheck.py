@@ -555,7 +555,13 @@ def run_sample(op: Any, sample: Any, dtype: torch.dtype) -> SampleOutcome:
     if (bad := _unsupported(expected)) is not None:
         return SampleOutcome("skipped", f"needs {bad}")
 
-    dispatch_stats.reset()
+    # counts since now, without resetting the process-wide ones (the profiler's)
+    before = dispatch_stats.counts()
+
+    def served() -> dict[tuple[str, str], int]:
+        after = dispatch_stats.counts()
+        return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
     try:
         with torch.no_grad():
             actual = op(*sp_args, **sp_kwargs)
@@ -568,11 +574,9 @@ def run_sample(op: Any, sample: Any, dtype: torch.dtype) -> SampleOutcome:
             inside = ", ".join(sorted(recorder.unsupported))
             return SampleOutcome("skipped", f"needs {inside} inside the op")
         named = _names_op_and_shape(str(e), op, (cpu_args, cpu_kwargs))
-        return SampleOutcome(
-            "failed", _error_text(e), dispatch_stats.counts(), raised=True, named=named
-        )
+        return SampleOutcome("failed", _error_text(e), served(), raised=True, named=named)
     # what served the op, before the comparison's own copies run
-    served = dispatch_stats.counts()
+    paths = served()
     values = not recorder.seeded and op.name not in UNINITIALIZED
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     try:
@@ -588,10 +592,10 @@ def run_sample(op: Any, sample: Any, dtype: torch.dtype) -> SampleOutcome:
             (sp_args, sp_kwargs), (cpu_args, cpu_kwargs), tol, values and resize_prefix is None
         )
     except AssertionError as e:
-        return SampleOutcome("failed", str(e), served, values)
+        return SampleOutcome("failed", str(e), paths, values)
     except Exception as e:  # reading results back raised
-        return SampleOutcome("failed", f"reading the result: {_error_text(e)}", served, values)
-    return SampleOutcome("passed", "", served, values)
+        return SampleOutcome("failed", f"reading the result: {_error_text(e)}", paths, values)
+    return SampleOutcome("passed", "", paths, values)
 
 
 def _short_dtype(dtype: torch.dtype) -> str:
@@ -781,15 +785,20 @@ def run_in_workers(
 ) -> list[OpResult]:
     """Run ``ops`` in ``jobs`` forked worker processes, one op at a time each.
 
+    Worker k runs ops k, k+jobs, k+2*jobs, ... in that order, whatever the
+    timing: an op's result may depend on what ran before it in the same
+    process (kernel caches, allocator state), and a fixed order keeps the
+    report reproducible and such bugs reproducible with ``--jobs 1``.
     A worker that dies or runs one op longer than ``timeout_s`` is replaced
     and its op is reported as ``crash`` with the sample it was running.
     Forking (not spawning) keeps whatever this process loaded, the OpInfo
     database included, and works for ops defined at run time (tests).
     """
     ctx = multiprocessing.get_context("fork")
+    jobs = max(1, min(jobs, len(ops)))
     results: dict[int, OpResult] = {}
-    pending = list(range(len(ops)))[::-1]
-    workers: list[_Worker] = []
+    queues = [list(range(k, len(ops), jobs))[::-1] for k in range(jobs)]
+    workers: dict[int, _Worker] = {}  # slot -> its live worker
 
     def spawn() -> _Worker:
         parent, child = ctx.Pipe()
@@ -803,32 +812,41 @@ def run_in_workers(
         if progress is not None:
             progress(result, len(results), len(ops))
 
-    def crashed(w: _Worker, why: str) -> None:
+    def stop(slot: int) -> None:
+        w = workers.pop(slot)
+        w.conn.close()
+        w.process.join(5)
+
+    def crashed(slot: int, why: str) -> None:
+        w = workers[slot]
         op = ops[w.index]
         res = OpResult(op.name, op.variant_test_name, crashed=f"worker {why}")
         res.first_error, res.first_error_at = res.crashed, w.sample
         res.seconds = time.monotonic() - w.started
         finish(w.index, res)
-        workers.remove(w)
-        w.conn.close()
+        stop(slot)
 
     try:
         while len(results) < len(ops):
-            while pending and len(workers) < max(1, jobs):
-                workers.append(spawn())
-            for w in workers:
-                if w.index is None and pending:
-                    w.index, w.started, w.sample = pending.pop(), time.monotonic(), ""
+            for slot, queue in enumerate(queues):
+                w = workers.get(slot)
+                if w is not None and w.index is None and not queue:
+                    w.conn.send(None)  # nothing left for this slot
+                    stop(slot)
+                    continue
+                if queue and (w is None or w.index is None):
+                    if w is None:
+                        w = workers[slot] = spawn()
+                    w.index, w.started, w.sample = queue.pop(), time.monotonic(), ""
                     w.conn.send(w.index)
-            busy = [w for w in workers if w.index is not None]
-            ready = wait([w.conn for w in busy], timeout=1.0)
-            for w in busy:
+            ready = wait([w.conn for w in workers.values()], timeout=1.0)
+            for slot, w in list(workers.items()):
                 if w.conn in ready:
                     try:
                         kind, payload = w.conn.recv()
                     except (EOFError, OSError):
                         w.process.join(5)
-                        crashed(w, _death(w.process))
+                        crashed(slot, _death(w.process))
                         continue
                     if kind == "sample":
                         w.sample = payload
@@ -838,15 +856,9 @@ def run_in_workers(
                 elif time.monotonic() - w.started > timeout_s:
                     w.process.kill()
                     w.process.join(5)
-                    crashed(w, f"timed out after {timeout_s:.0f} s")
-            # idle workers with nothing left to do are stopped
-            for w in [w for w in workers if w.index is None and not pending]:
-                w.conn.send(None)
-                w.process.join(5)
-                w.conn.close()
-                workers.remove(w)
+                    crashed(slot, f"timed out after {timeout_s:.0f} s")
     finally:
-        for w in workers:
+        for w in workers.values():
             w.process.kill()
             w.process.join(5)
     return [results[i] for i in range(len(ops))]
