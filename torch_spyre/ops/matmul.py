@@ -46,23 +46,22 @@ def _rhs(b: torch.Tensor, batch: list[str]) -> tuple[torch.Tensor, tuple[str, ..
     return operands.whole(b), (*batch, "k", "n")
 
 
-def _bias(bias: torch.Tensor, out_rows: list[str], batch: list[str], out_shape):
-    """Bias operand broadcast to the output (index None where it broadcasts)."""
-    names = [*batch, *out_rows, "n"]
-    if bias.dim() > len(out_shape):
-        return None
+def _bias(bias: torch.Tensor, rows: list[str], n: int, m: int):
+    """Bias operand and index, broadcast to the [rows..., n] output.
+
+    A vector bias indexes n; a [m, n] bias is served when the rows are one dim.
+    """
     t = operands.whole(bias)
-    lead = len(out_shape) - bias.dim()
-    index = []
-    for i, s in enumerate(bias.shape):
-        want = out_shape[lead + i]
-        if s == want:
-            index.append(names[lead + i])
-        elif s == 1:
-            index.append(None)
-        else:
-            return None
-    return t, tuple(index) or (None,)
+    if bias.dim() <= 1:
+        size = bias.shape[0] if bias.dim() else 1
+        return (t.reshape(1), (None,)) if size == 1 else (t, ("n",)) if size == n else None
+    if bias.dim() == 2 and len(rows) == 1:
+        index = tuple(
+            name if s == full else None if s == 1 else "bad"
+            for name, s, full in zip(("m0", "n"), bias.shape, (m, n))
+        )
+        return None if "bad" in index else (t, index)
+    return None
 
 
 def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
@@ -86,8 +85,10 @@ def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
     out_base_shape = (*(a.shape[:1] if batched else ()), *rows.values(), n)
     bias_arg = None
     if bias is not None:
-        got = _bias(bias, ["m0"] if len(out_rows) == 1 else out_rows, batch, out_shape)
-        if got is None or (len(out_rows) > 1 and bias.dim() > 1):
+        if batched:
+            return NotImplemented  # baddbmm with a bias: the host fallback
+        got = _bias(bias, out_rows, n, m)
+        if got is None:
             return NotImplemented
         bias_arg = got
     key = (

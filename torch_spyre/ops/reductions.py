@@ -29,7 +29,14 @@ _REDUCTIONS = {
 
 
 def _reduction_op(name: str, correction: float | None = None) -> str:
-    """The sim reduction for ``name`` (var/std carry their correction)."""
+    """The sim reduction for ``name`` (var/std carry their correction, norm its order)."""
+    if name == "norm":
+        key = f"aten.norm[{correction}]"
+        if key not in sim_ops.REDUCTIONS:
+            sim_ops.register_reduction(
+                key, lambda x, d: torch.linalg.vector_norm(x, correction, dim=d), 0.0
+            )
+        return key
     if name in ("var", "std"):
         key = f"aten.{name}[{correction}]"
         if key not in sim_ops.REDUCTIONS:
@@ -82,7 +89,7 @@ def reduce(
         src = moved.reshape([x.shape[d] for d in kept] + [count])
         rdim = len(kept)
     src = operands.whole(src)
-    combinable = name not in ("var", "std", "argmax", "argmin")
+    combinable = name not in ("var", "std", "argmax", "argmin", "norm")
     op = _reduction_op(name, correction)
     post = 1.0 / count if scale_by_count else None
     key = ("red", op, tuple(src.shape), rdim, src.dtype, out_dtype, post)
@@ -248,3 +255,10 @@ def _bool_reduce(name):
 
 kernel("any.dim", "any.dims", "any.default")(_bool_reduce("any"))
 kernel("all.dim", "all.dims", "all.default")(_bool_reduce("all"))
+
+
+@kernel("linalg_vector_norm.default")
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    if not x.dtype.is_floating_point or (dtype is not None and dtype != x.dtype):
+        return NotImplemented
+    return reduce(x, "norm", dim, keepdim, x.dtype, correction=float(ord))

@@ -517,3 +517,42 @@ def gemv(
         config=cfg,
         name=name or f"gemv_{k}x{n}",
     )
+
+
+def best_matmul(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.float16,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+) -> Program:
+    """The matmul program the timing model finds fastest on ``config``.
+
+    Searches core splits (M, N, K over power-of-two core counts up to the
+    card, fewer cores included: small problems lose more to replicated
+    operand traffic than they gain) with the default tiles; a closed-form
+    estimate costs about a millisecond, so this suits a kernel cache.
+    """
+    from torch_spyre.sim.timing import estimate
+
+    cfg = config or HardwareConfig()
+    se = stick_elems(dtype)
+    pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
+    best: tuple[float, Program] | None = None
+    for pm in pows:
+        for pn in pows:
+            for pk in pows:
+                if pm * pn * pk > cfg.cores or pm > m or pn > _ceil_div(n, se) or pk > k:
+                    continue
+                p = matmul(m, n, k, dtype, split=(pm, pn, pk), config=cfg, name=name)
+                try:
+                    p.validate(cfg)
+                except ProgramError:
+                    continue
+                t = estimate(p, cfg).time_s
+                if best is None or t < best[0]:
+                    best = (t, p)
+    if best is None:
+        raise ProgramError(f"no matmul split of {m}x{n}x{k} fits the card")
+    return best[1]
