@@ -62,12 +62,13 @@ def test_elementwise_unary(card, op, ref):
         (64, 128, 512, (1, 2, 4)),
         (1, 4096, 4096, None),
         (50, 70, 300, (1, 1, 4)),
+        (64, 64, 4096, "best"),
     ],
 )
 def test_matmul(card, m, n, k, split):
     torch.manual_seed(1)
     a, b = torch.randn(m, k, dtype=torch.float16), torch.randn(k, n, dtype=torch.float16)
-    p = K.matmul(m, n, k, split=split)
+    p = K.best_matmul(m, n, k) if split == "best" else K.matmul(m, n, k, split=split)
     bufs = device_buffers(p, a=a, b=b)
     card.run(p, bufs)
     torch.testing.assert_close(host_value(p, bufs), (a.float() @ b.float()).half(), **MM_TOL)
@@ -166,3 +167,33 @@ def test_program_from_json_runs_the_same(card):
     a, b = device_buffers(p, x=x), device_buffers(q, x=x)
     assert card.run(p, a) == card.run(q, b)
     assert torch.equal(a["out"], b["out"])
+
+
+def test_elementwise_operands_with_different_layouts_of_one_device_size():
+    """Same device size, different stick dims: elements must still pair up by host index."""
+    x = torch.randn(64, 64, dtype=torch.float16)
+    y = torch.randn(64, 64, dtype=torch.float16)
+    lay_a = SpyreTensorLayout.default((64, 64), torch.float16)
+    lay_b = SpyreTensorLayout.with_stick_dim((64, 64), torch.float16, 0)
+    assert lay_a.device_size == lay_b.device_size and lay_a.dim_map != lay_b.dim_map
+    idx = ("i", "j")
+    p = Program(
+        "add_mixed_layouts",
+        (Dim("i", 64), Dim("j", 64)),
+        (Operand("x", lay_a), Operand("y", lay_b), Operand("out", lay_a, "output")),
+        (
+            Buffer("x_t", idx, torch.float16, True),
+            Buffer("y_t", idx, torch.float16, True),
+            Buffer("o_t", idx, torch.float16, True),
+        ),
+        (
+            Load("x_t", "x", idx, ("i",)),
+            Load("y_t", "y", idx, ("i",)),
+            Vector("add", "o_t", ("x_t", "y_t"), (), ("i",)),
+            Store("out", "o_t", idx, ("i",)),
+        ),
+        ("i",),
+    )
+    bufs = device_buffers(p, x=x, y=y)
+    execute(p, bufs)
+    torch.testing.assert_close(host_value(p, bufs), x + y)

@@ -144,3 +144,12 @@ def test_bigger_tiles_move_fewer_bytes():
     )
     assert big.dram_bytes < small.dram_bytes and big.time_s < small.time_s
     assert torch.float16  # keep the import used
+
+
+def test_best_matmul_is_no_slower_than_the_default_split():
+    for m, n, k in [(4096, 4096, 4096), (64, 64, 32768), (256, 384, 512)]:
+        best = estimate(K.best_matmul(m, n, k))
+        assert best.time_s <= estimate(K.matmul(m, n, k)).time_s * (1 + 1e-9)
+    # a deep-K problem is best split over K, with a ring all-reduce
+    p = K.best_matmul(64, 64, 32768)
+    assert p.dim("k").cores > 1 and any(s.kind == "allreduce" for s in p.steps)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.sim import ops as ops_mod
 from torch_spyre.sim.program import (
     Load,
@@ -118,9 +119,15 @@ def _same_layout_elementwise(program: Program) -> Callable[[dict[str, torch.Tens
         and isinstance(steps[-1], Store)
     ):
         loads, vec, store = steps[:-2], steps[-2], steps[-1]
-        layouts = {program.operand(s.operand).layout.device_size for s in loads}
+
+        # one element position must mean one host index in every operand:
+        # equal device sizes are not enough (another stick dim can have them)
+        def where(lay: SpyreTensorLayout) -> tuple:
+            return (lay.host_size, lay.device_size, lay.dim_map)
+
+        layouts = {where(program.operand(s.operand).layout) for s in loads}
         out_op = program.operand(store.operand)
-        layouts.add(out_op.layout.device_size)
+        layouts.add(where(out_op.layout))
         bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
         if (
             len(layouts) == 1
