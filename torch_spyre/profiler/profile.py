@@ -68,6 +68,16 @@ class Profile:
         return [r for r in self.records if isinstance(r, TransferRecord)]
 
     @property
+    def fallbacks(self) -> dict[str, float]:
+        """Ops that ran on the host, with the modelled time of their copies."""
+        out: dict[str, float] = {}
+        for t in self.transfers:
+            if t.label.startswith("fallback "):
+                op = t.label.removeprefix("fallback ")
+                out[op] = out.get(op, 0.0) + t.time_s
+        return out
+
+    @property
     def kernel_time_s(self) -> float:
         return sum(k.time_s for k in self.kernels)
 
@@ -123,6 +133,17 @@ class Profile:
                     f"{kind:<10} {len(ts):>6} {nb / 1e6:>12.3f} {tt * 1e6:>11.2f} "
                     f"{(nb / tt / 1e9 if tt else 0):>8.2f}"
                 )
+        fallbacks: dict[str, list[TransferRecord]] = {}
+        for t in self.transfers:
+            if t.label.startswith("fallback "):
+                fallbacks.setdefault(t.label.removeprefix("fallback "), []).append(t)
+        if fallbacks:
+            lines.append("")
+            lines.append(
+                f"{'host fallback (op ran on the host)':<44} {'copies':>6} {'total us':>11}"
+            )
+            for op, ts in sorted(fallbacks.items(), key=lambda kv: -sum(t.time_s for t in kv[1])):
+                lines.append(f"{op[:44]:<44} {len(ts):>6} {sum(t.time_s for t in ts) * 1e6:>11.2f}")
         lines.append("")
         lines.append(
             f"total modelled time {self.total_time_s * 1e6:.2f} us "
@@ -153,8 +174,8 @@ class Profile:
                 track(r.card, 0, "transfers")
                 events.append(
                     {
-                        "name": r.kind,
-                        "cat": "transfer",
+                        "name": f"{r.kind} {r.label}" if r.label else r.kind,
+                        "cat": "fallback" if r.label.startswith("fallback ") else "transfer",
                         "ph": "X",
                         "pid": r.card,
                         "tid": 0,

@@ -46,9 +46,9 @@ def config(index: int = 0) -> HardwareConfig:
     return card(index).config
 
 
-def record_transfer(index: int, kind: str, nbytes: int) -> None:
+def record_transfer(index: int, kind: str, nbytes: int, label: str = "") -> None:
     """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
-    rec = card(index).record_transfer(kind, nbytes)
+    rec = card(index).record_transfer(kind, nbytes, label)
     advance_clock(index, rec.time_s)
 
 

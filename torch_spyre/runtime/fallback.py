@@ -175,13 +175,14 @@ def run_on_values(op, args, kwargs, pcie: bool):
     flat = tree_flatten((args, kwargs))[0]
     device = _first_spyre_device(flat)
     schema = op._schema
+    label = f"fallback {op}"
     originals: dict[int, torch.Tensor] = {}
 
     def to_cpu(a):
         if isinstance(a, torch.Tensor) and a.device.type == "spyre":
             cpu = access.read(a)
             if pcie:
-                cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a))
+                cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a), label)
             originals[id(cpu)] = a
             return cpu
         if isinstance(a, torch.device) and a.type == "spyre":
@@ -217,7 +218,7 @@ def run_on_values(op, args, kwargs, pcie: bool):
                     dst.resize_(c.shape)
                 access.write(dst, c)
                 if pcie:
-                    cards.record_transfer(dst.device.index, "h2d", access.device_nbytes(dst))
+                    cards.record_transfer(dst.device.index, "h2d", access.device_nbytes(dst), label)
                 written[id(c)] = dst
 
     def to_spyre(o):
@@ -229,7 +230,7 @@ def run_on_values(op, args, kwargs, pcie: bool):
             res = torch.empty(o.shape, dtype=o.dtype, device=device)
             access.write(res, o)
             if pcie:
-                cards.record_transfer(device.index, "h2d", access.device_nbytes(res))
+                cards.record_transfer(device.index, "h2d", access.device_nbytes(res), label)
             return res
         return o
 

@@ -96,7 +96,7 @@ class SimulatedCard:
             return cfg.dma_setup_cycles / cfg.clock_hz + 2 * nbytes / cfg.sustained_bandwidth_Bps
         raise ValueError(f"transfer kind must be one of {TRANSFER_KINDS}, got {kind!r}")
 
-    def record_transfer(self, kind: str, nbytes: int) -> trace.TransferRecord:
+    def record_transfer(self, kind: str, nbytes: int, label: str = "") -> trace.TransferRecord:
         if nbytes < 0:
             raise ValueError(f"transfer of {nbytes} bytes")
         t = self.transfer_time(kind, int(nbytes))
@@ -107,7 +107,7 @@ class SimulatedCard:
             st.transfers[kind] += 1
             st.transfer_bytes[kind] += int(nbytes)
             st.transfer_time_s[kind] += t
-        rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t)
+        rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t, label)
         trace.emit(rec)
         return rec
 

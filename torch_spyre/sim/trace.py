@@ -39,10 +39,13 @@ class TransferRecord:
     nbytes: int
     start_s: float
     time_s: float
+    #: what the copy was for, e.g. "fallback aten.histc.default" ("" for a user copy)
+    label: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.kind} {self.nbytes} B"
+        what = f"{self.kind} {self.nbytes} B"
+        return f"{what} ({self.label})" if self.label else what
 
     @property
     def end_s(self) -> float:
