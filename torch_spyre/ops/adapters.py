@@ -268,32 +268,38 @@ def _sortable(x) -> bool:
     )
 
 
-@adapter("sort", reason="no sorting unit: rank by broadcast comparison + sum, then scatter")
-def _sort(op, bound):
+def _sort_along(bound, descending_key: str):
+    """Sorted values and indices of ``self`` along ``dim``, or None when the
+    adapter does not serve the input."""
     x = bound["self"]
     dim = bound.get("dim", -1)
     if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT:
-        return NotImplemented
-    xm = x.movedim(dim, -1)
-    v, i = _sort_rows(xm, bool(bound.get("descending", False)))
+        return None
+    descending = bool(bound.get(descending_key, descending_key == "largest"))
+    v, i = _sort_rows(x.movedim(dim, -1), descending)
     return v.movedim(-1, dim), i.movedim(-1, dim)
+
+
+@adapter("sort", reason="no sorting unit: rank by broadcast comparison + sum, then scatter")
+def _sort(op, bound):
+    got = _sort_along(bound, "descending")
+    return NotImplemented if got is None else got
 
 
 @adapter("argsort", reason="no sorting unit: rank by broadcast comparison + sum, then scatter")
 def _argsort(op, bound):
-    x = bound["self"]
-    dim = bound.get("dim", -1)
-    if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT:
-        return NotImplemented
-    return _sort_rows(x.movedim(dim, -1), bool(bound.get("descending", False)))[1].movedim(-1, dim)
+    got = _sort_along(bound, "descending")
+    return NotImplemented if got is None else got[1]
 
 
 @adapter("topk", reason="no sorting unit: the first k of the comparison-count sort")
 def _topk(op, bound):
-    x = bound["self"]
-    k = bound["k"]
     dim = bound.get("dim", -1)
-    if not _sortable(x) or x.dim() == 0 or x.shape[dim] > _MAX_SORT or k > x.shape[dim]:
+    x = bound["self"]
+    if not _sortable(x) or x.dim() == 0 or bound["k"] > x.shape[dim]:
         return NotImplemented
-    v, i = _sort_rows(x.movedim(dim, -1), bool(bound.get("largest", True)))
-    return v[..., :k].movedim(-1, dim).contiguous(), i[..., :k].movedim(-1, dim).contiguous()
+    got = _sort_along(bound, "largest")
+    if got is None:
+        return NotImplemented
+    k = bound["k"]
+    return tuple(t.narrow(dim, 0, k).contiguous() for t in got)

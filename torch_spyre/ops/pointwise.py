@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from torch_spyre.layout import SUPPORTED_DTYPES
 from torch_spyre.ops import launch, operands, programs
 from torch_spyre.sim import ops as sim_ops
 from torch_spyre.sim.ops import VECTOR_OPS
@@ -185,7 +186,7 @@ def _build(func, template, spec, tensors, key) -> launch.Kernel:
         out_meta = func(*margs, **mkwargs)
     except Exception:
         return launch.Kernel(None)  # type: ignore[arg-type]  # PyTorch raises the error itself
-    if not isinstance(out_meta, torch.Tensor) or out_meta.dtype not in _STORED:
+    if not isinstance(out_meta, torch.Tensor) or out_meta.dtype not in SUPPORTED_DTYPES:
         return launch.Kernel(None)  # type: ignore[arg-type]
     shape = tuple(out_meta.shape)
     info = {
@@ -204,19 +205,6 @@ def _build(func, template, spec, tensors, key) -> launch.Kernel:
         name=f"{_base(func)}_{'x'.join(map(str, shape)) or 'scalar'}",
     )
     return launch.Kernel(program, info)
-
-
-_STORED = {
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-}
 
 
 def _functional(op):

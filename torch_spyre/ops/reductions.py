@@ -165,56 +165,47 @@ def _amin(x, dim=(), keepdim=False):
     return reduce(x, "amin", dim, keepdim, x.dtype)
 
 
-@kernel("argmax.default")
-def _argmax(x, dim=None, keepdim=False):
-    if dim is None:
-        return reduce(x.reshape(-1), "argmax", 0, False, torch.int64).view(
-            [1] * x.dim() if keepdim else []
+def _arg_reduce(name: str):
+    def fn(x, dim=None, keepdim=False):
+        if dim is None:  # over the flattened tensor
+            flat = reduce(x.reshape(-1), name, 0, False, torch.int64)
+            return flat.view([1] * x.dim() if keepdim else [])
+        return reduce(x, name, dim, keepdim, torch.int64)
+
+    return fn
+
+
+kernel("argmax.default")(_arg_reduce("argmax"))
+kernel("argmin.default")(_arg_reduce("argmin"))
+
+
+def _value_and_index(value: str, index: str):
+    def fn(x, dim, keepdim=False):
+        if x.dtype == torch.bool:
+            return NotImplemented
+        return (
+            reduce(x, value, dim, keepdim, x.dtype),
+            reduce(x, index, dim, keepdim, torch.int64),
         )
-    return reduce(x, "argmax", dim, keepdim, torch.int64)
+
+    return fn
 
 
-@kernel("argmin.default")
-def _argmin(x, dim=None, keepdim=False):
-    if dim is None:
-        return reduce(x.reshape(-1), "argmin", 0, False, torch.int64).view(
-            [1] * x.dim() if keepdim else []
-        )
-    return reduce(x, "argmin", dim, keepdim, torch.int64)
+kernel("max.dim")(_value_and_index("amax", "argmax"))
+kernel("min.dim")(_value_and_index("amin", "argmin"))
 
 
-@kernel("max.dim")
-def _max_dim(x, dim, keepdim=False):
-    if x.dtype == torch.bool:
-        return NotImplemented
-    return (
-        reduce(x, "amax", dim, keepdim, x.dtype),
-        reduce(x, "argmax", dim, keepdim, torch.int64),
-    )
+def _whole(value: str):
+    def fn(x):
+        if x.numel() == 0 or x.dtype == torch.bool:
+            return NotImplemented
+        return reduce(x, value, None, False, x.dtype)
+
+    return fn
 
 
-@kernel("min.dim")
-def _min_dim(x, dim, keepdim=False):
-    if x.dtype == torch.bool:
-        return NotImplemented
-    return (
-        reduce(x, "amin", dim, keepdim, x.dtype),
-        reduce(x, "argmin", dim, keepdim, torch.int64),
-    )
-
-
-@kernel("max.default")
-def _max_all(x):
-    if x.numel() == 0 or x.dtype == torch.bool:
-        return NotImplemented
-    return reduce(x, "amax", None, False, x.dtype)
-
-
-@kernel("min.default")
-def _min_all(x):
-    if x.numel() == 0 or x.dtype == torch.bool:
-        return NotImplemented
-    return reduce(x, "amin", None, False, x.dtype)
+kernel("max.default")(_whole("amax"))
+kernel("min.default")(_whole("amin"))
 
 
 @kernel("prod.dim_int")
