@@ -294,3 +294,14 @@ def test_error_messages_are_checked_for_op_and_shapes():
     assert opcheck._names_op_and_shape(named, op, (x,))
     assert not opcheck._names_op_and_shape("kernel 'k': operand 'out' needs 12 elements", op, (x,))
     assert not opcheck._names_op_and_shape("cos failed", op, (x,))  # no shape
+
+
+def test_noncontiguous_variant_keeps_views_on_the_device():
+    [op] = opcheck.select_ops(opcheck.load_op_db(), "add", variant="noncontiguous")
+    torch.manual_seed(0)
+    sample = next(s for s in op.sample_inputs("cpu", torch.float32) if s.input.numel() > 1)
+    assert not sample.input.is_contiguous()
+    (moved, _), _ = opcheck._to_device(((sample.input, *sample.args), sample.kwargs), "spyre")
+    assert moved[0].device.type == "spyre" and moved[0].stride() == sample.input.stride()
+    with pytest.raises(ValueError, match="variant"):
+        opcheck.select_ops([], variant="sideways")

@@ -124,6 +124,8 @@ struct SpyreAllocator final : public c10::Allocator {
   // padding zero and, for large blocks, only touches pages really written.
   c10::DataPtr allocate_on(size_t nbytes, int device) {
     check_device(device);
+    TORCH_CHECK(static_cast<int64_t>(nbytes) >= 0, "cannot allocate a negative number of bytes (",
+                static_cast<int64_t>(nbytes), ") on spyre:", device);
     int64_t rounded = round_to_stick(static_cast<int64_t>(nbytes));
     void* ptr = nullptr;
     {
@@ -346,7 +348,18 @@ static void ensure_storage_fits(const at::Tensor& self) {
   size_t needed = at::detail::computeStorageNbytes(self.sizes(), self.strides(),
                                                    self.dtype().itemsize(),
                                                    impl->storage_offset());
-  if (needed > impl->storage().nbytes()) resize_bytes(impl->storage().unsafeGetStorageImpl(), needed);
+  if (needed <= impl->storage().nbytes()) return;
+  void* ptr = impl->storage().data_ptr().get();
+  bool laid_out;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    laid_out = ptr != nullptr && g_layouts.count(ptr) > 0;
+  }
+  TORCH_CHECK(!laid_out, "sizes ", self.sizes(), ", strides ", self.strides(), " and storage offset ",
+              impl->storage_offset(), " need ", needed, " bytes of storage but this spyre storage "
+              "holds ", impl->storage().nbytes(), " and, being laid out in sticks, cannot grow in "
+              "place. Use tensor.resize_(...) (which re-lays it) or allocate a larger tensor.");
+  resize_bytes(impl->storage().unsafeGetStorageImpl(), needed);
 }
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t storage_offset,

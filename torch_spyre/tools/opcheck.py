@@ -687,6 +687,28 @@ class InplaceVariant:
         return self.op.inplace_variant(*args, **kwargs)
 
 
+class NoncontiguousVariant:
+    """An OpInfo entry with every sample made non-contiguous (same values), for --variant."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+        self.name = op.name
+        self.variant_test_name = op.variant_test_name
+        self.aten_name = getattr(op, "aten_name", op.name)
+
+    def supported_dtypes(self, device_type: str) -> Any:
+        return self.op.supported_dtypes(device_type)
+
+    def sample_inputs(self, device: str, dtype: torch.dtype) -> Any:
+        return (s.noncontiguous() for s in self.op.sample_inputs(device, dtype))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+
+VARIANTS = ("function", "inplace", "noncontiguous")
+
+
 def select_ops(
     ops: Iterable[Any],
     patterns: str | None = None,
@@ -698,16 +720,20 @@ def select_ops(
 
     A pattern must match a whole name, either ``name`` or ``name[variant]``.
     ``variant="inplace"`` gives the in-place variants of the ops that have one
-    (named ``op_``) instead of the functions.
+    (named ``op_``) instead of the functions; ``"noncontiguous"`` the functions
+    on non-contiguous copies of the samples (strided views over the card's
+    stick layout).
     """
     chosen = [op for op in ops if in_universe(op, dtypes)]
     if variant == "inplace":
         chosen = [InplaceVariant(op) for op in chosen if op.inplace_variant is not None]
+    elif variant == "noncontiguous":
+        chosen = [NoncontiguousVariant(op) for op in chosen]
+    elif variant != "function":
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if quick:
         chosen = [
-            op
-            for op in chosen
-            if op_key(op.op if isinstance(op, InplaceVariant) else op) in QUICK_OPS
+            op for op in chosen if op_key(op if variant == "function" else op.op) in QUICK_OPS
         ]
     if patterns:
         regexes = [re.compile(p.strip()) for p in patterns.split(",") if p.strip()]
@@ -1109,10 +1135,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--variant",
-        choices=("function", "inplace"),
+        choices=VARIANTS,
         default="function",
-        help="what to call: the op (default; the one the report and its totals are about) "
-        "or its in-place variant x.op_(...), for ops that have one",
+        help="what to run: the op on its samples (default; the one the report and its "
+        "totals are about), its in-place variant x.op_(...) for ops that have one, or the op "
+        "on non-contiguous copies of the samples",
     )
     p.add_argument("--max-samples", type=int, help="at most this many samples per op and dtype")
     p.add_argument(
