@@ -11,9 +11,13 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+# Building must not load an installed torch_spyre through torch's backend
+# autoload (it may be an older or half-built checkout).
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 SOURCES = ["torch_spyre/csrc/spyre.cpp"]
 COMPILE_ARGS = ["-O2", "-std=c++17", "-Wno-unused-parameter"]

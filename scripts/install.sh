@@ -9,4 +9,6 @@ spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 # --no-build-isolation: the C++ extension builds against the torch installed
 # above (an isolated build would download another torch).
-python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"
+# an older torch_spyre installed elsewhere must not load while this one builds
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 \
+  python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"

@@ -14,7 +14,14 @@ def register() -> None:
         return
     # the C++ extension registers the allocator, guard, hooks, generator and
     # the metadata-only kernels when it is loaded
-    from torch_spyre import _C  # noqa: F401
+    try:
+        from torch_spyre import _C  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "torch_spyre's C++ extension (torch_spyre._C) is not built in this checkout: "
+            "run `bash scripts/install.sh` (or `python setup.py build_ext --inplace`). "
+            "To import torch without torch_spyre, set TORCH_DEVICE_BACKEND_AUTOLOAD=0."
+        ) from err
     from torch_spyre.runtime import cards, copies, device_module, printing
 
     torch.utils.rename_privateuse1_backend("spyre")
