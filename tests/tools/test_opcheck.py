@@ -305,3 +305,23 @@ def test_noncontiguous_variant_keeps_views_on_the_device():
     assert moved[0].device.type == "spyre" and moved[0].stride() == sample.input.stride()
     with pytest.raises(ValueError, match="variant"):
         opcheck.select_ops([], variant="sideways")
+
+
+def test_selection_indices_may_differ_only_on_ties():
+    x = torch.tensor([[3.0, 5.0, 5.0, 1.0]])
+    samples = lambda dtype: [_Sample(x.to(dtype), 1, 1)]  # noqa: E731
+
+    def topk_picking(index: int):
+        def fn(t, k, dim):
+            values, indices = torch.topk(t, k, dim)
+            if _on_spyre(t):
+                indices = torch.full_like(indices, index)
+            return torch.return_types.topk((values, indices))
+
+        return fn
+
+    tie = _run(FakeOp("topk", topk_picking(2), samples))  # the other 5.0
+    assert tie.path != opcheck.FAILS, tie.first_failure
+    wrong = _run(FakeOp("topk", topk_picking(0), samples))  # the 3.0
+    assert wrong.path == opcheck.FAILS
+    assert "indices point at other values" in wrong.first_error

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_spyre.ops import movement, pointwise
+from torch_spyre.ops.errors import annotated
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.runtime.fallback import host_fallback
 
@@ -40,9 +41,12 @@ def catch_all(op, *args, **kwargs):
     if routes is None:
         routes = _routes[op] = _route(op)
         _names[op] = str(op).removeprefix("aten.")
-    for path, handler in routes:
-        result = handler(op, args, kwargs)
-        if result is not NotImplemented:
-            dispatch_stats.record(path, _names[op])
-            return result
-    return host_fallback(op, *args, **kwargs)
+    try:
+        for path, handler in routes:
+            result = handler(op, args, kwargs)
+            if result is not NotImplemented:
+                dispatch_stats.record(path, _names[op])
+                return result
+        return host_fallback(op, *args, **kwargs)
+    except Exception as err:
+        raise annotated(err, _names[op], args, kwargs) from err.__cause__

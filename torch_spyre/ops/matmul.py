@@ -73,7 +73,10 @@ def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
     m, k = a.shape[-2], a.shape[-1]
     n = b.shape[-1]
     if b.shape[-2] != k:
-        return NotImplemented  # PyTorch's shape error
+        raise RuntimeError(
+            f"mat1 and mat2 shapes cannot be multiplied ({'x'.join(map(str, a.shape))} and "
+            f"{'x'.join(map(str, b.shape))})"
+        )
     out_shape = (*a.shape[:-2], m, n)
     if a.numel() == 0 or b.numel() == 0:
         return NotImplemented  # empty or zero-k products: PyTorch's semantics
@@ -153,3 +156,33 @@ def _baddbmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 0:
         return matmul(a, b, None, float(alpha))
     return matmul(a, b, bias, float(alpha), float(beta))
+
+
+# PyTorch routes convolutions of out-of-tree devices to the *_overrideable ops,
+# which have no CPU kernel: until the card gets a convolution kernel they run
+# through the host fallback as aten.convolution (counted, warned).
+@kernel("convolution_overrideable.default")
+def _convolution(
+    input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+):
+    from torch_spyre.runtime.fallback import host_fallback
+
+    return host_fallback(
+        torch.ops.aten.convolution.default,
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+    )  # fmt: skip
+
+
+@kernel("convolution_backward_overrideable.default")
+def _convolution_backward(
+    grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,
+    output_mask,
+):  # fmt: skip
+    from torch_spyre.runtime.fallback import host_fallback
+
+    bias_sizes = [weight.shape[1] * groups if transposed else weight.shape[0]]
+    return host_fallback(
+        torch.ops.aten.convolution_backward.default,
+        grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+        output_padding, groups, output_mask,
+    )  # fmt: skip

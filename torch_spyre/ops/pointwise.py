@@ -17,6 +17,7 @@ import torch
 
 from torch_spyre.layout import SUPPORTED_DTYPES
 from torch_spyre.ops import launch, operands, programs
+from torch_spyre.runtime import scalars
 from torch_spyre.sim import ops as sim_ops
 from torch_spyre.sim.ops import VECTOR_OPS
 
@@ -124,6 +125,7 @@ def run(op, args: tuple, kwargs: dict) -> Any:
             out_arg = kwargs.pop(plan.out_name)
         else:
             out_arg = args[plan.out_pos] if plan.out_pos < len(args) else kwargs[plan.out_name]
+    args, kwargs = scalars.rewrap(func, args, kwargs)
     kwnames = tuple(kwargs)
     spec = (len(args), kwnames)
     tensors: list[torch.Tensor] = []
@@ -151,7 +153,8 @@ def run(op, args: tuple, kwargs: dict) -> Any:
         "pw",
         func,
         tuple((t.shape, t.dtype) for t in tensors),
-        tuple(_static_repr(v) for v in template if not isinstance(v, _Slot)),
+        # every argument, in place: `1 - x` and `x - 1` are different kernels
+        tuple("T" if isinstance(v, _Slot) else _static_repr(v) for v in template),
         spec,
     )
     k = launch.kernel(key, lambda: _build(func, template, spec, tensors, key))
@@ -166,7 +169,8 @@ def run(op, args: tuple, kwargs: dict) -> Any:
         return out_arg if out_arg is not None else torch.empty(shape, dtype=dtype, device=device)
     bind = {f"in{i}": operands.memory(t) for i, t in enumerate(tensors)}
     # out may alias an input: the executor loads every input before it stores
-    direct = out_arg is not None and operands.is_whole_default(out_arg)
+    # (an out= or in-place result of another dtype is computed, then cast in)
+    direct = out_arg is not None and out_arg.dtype == dtype and operands.is_whole_default(out_arg)
     out = out_arg if direct else torch.empty(shape, dtype=dtype, device=device)
     bind["out"] = operands.device_memory(out)
     k.launch_memory(device.index, bind)

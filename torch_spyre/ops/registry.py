@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from torch_spyre.ops.errors import annotated
 from torch_spyre.runtime import dispatch_stats
 
 _lib: torch.library.Library | None = None
@@ -38,13 +39,18 @@ def kernel(*names: str, path: str = "kernel"):
 
             def impl(*args, _fn=fn, _name=name, _op=op, **kwargs):
                 try:
-                    result = _fn(*args, **kwargs)
-                except NoKernel:
-                    result = NotImplemented
-                if result is NotImplemented:
-                    from torch_spyre.runtime.fallback import host_fallback
+                    try:
+                        result = _fn(*args, **kwargs)
+                    except NoKernel:
+                        result = NotImplemented
+                    if result is NotImplemented:
+                        from torch_spyre.runtime.fallback import host_fallback
 
-                    return host_fallback(_op, *args, **kwargs)
+                        return host_fallback(_op, *args, **kwargs)
+                except NoKernel:
+                    raise
+                except Exception as err:
+                    raise annotated(err, _name, args, kwargs) from err.__cause__
                 dispatch_stats.record(path, _name)
                 return result
 

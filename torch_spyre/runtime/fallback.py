@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch_spyre.runtime import access, cards, dispatch_stats
+from torch_spyre.runtime import access, cards, dispatch_stats, scalars
 
 _POLICIES = ("warn", "silent", "error")
 _warned: set[str] = set()
@@ -157,12 +157,19 @@ def host_fallback(op, *args, **kwargs):
     if _policy == "warn" and name not in _warned:
         _warned.add(name)
         warnings.warn(
-            f"spyre: aten.{name} has no device kernel; it runs on the host with copies "
+            f"spyre: aten.{name} has no device kernel for these inputs; it runs on the host "
+            f"with copies "
             f"to and from the card (counted in torch_spyre.fallback_counts()).",
             SpyreFallbackWarning,
             stacklevel=3,
         )
     return run_on_values(op, args, kwargs, pcie=True)
+
+
+#: ops that write arguments their schema does not mark as written
+_UNDECLARED_WRITES = {
+    "aten::native_batch_norm": ("running_mean", "running_var"),
+}
 
 
 def run_on_values(op, args, kwargs, pcie: bool):
@@ -172,6 +179,7 @@ def run_on_values(op, args, kwargs, pcie: bool):
     ``pcie`` every copy is modelled as a transfer to or from the host (the host
     fallback); without it the caller models the work as a device kernel.
     """
+    args, kwargs = scalars.rewrap(op, args, kwargs)
     flat = tree_flatten((args, kwargs))[0]
     device = _first_spyre_device(flat)
     schema = op._schema
@@ -203,8 +211,10 @@ def run_on_values(op, args, kwargs, pcie: bool):
 
     # write back every argument the op mutates
     written: dict[int, torch.Tensor] = {}
+    undeclared = _UNDECLARED_WRITES.get(schema.name, ())
     for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
+        declared = arg.alias_info is not None and arg.alias_info.is_write
+        if not declared and arg.name not in undeclared:
             continue
         cpu = cpu_kwargs.get(arg.name) if arg.kwarg_only else None
         if cpu is None and i < len(cpu_args):

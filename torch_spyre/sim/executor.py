@@ -144,14 +144,18 @@ def _same_layout_elementwise(program: Program) -> Callable[[dict[str, torch.Tens
             operands = [s.operand for s in loads]
             scalars = vec.scalars
 
-            same = all(program.operand(o).layout.dtype == out_dtype for o in operands)
+            # A simple op (add, mul, compare...) on inputs of the output's dtype
+            # is exact in that dtype after one rounding, as torch computes it;
+            # anything else computes in fp32 and rounds once, like the vector
+            # unit (torch's vectorised 16-bit kernels may round intermediates).
+            direct = od.cost_class == "simple" and all(
+                program.operand(o).layout.dtype == out_dtype for o in operands
+            )
 
             def runner(buffers: dict[str, torch.Tensor]) -> None:
                 args = [buffers[o] for o in operands]
-                if not same and acc.is_floating_point:
+                if not direct and acc.is_floating_point:
                     args = [a.to(acc) if a.is_floating_point() else a for a in args]
-                # one op on 16-bit inputs: torch computes it in fp32 and rounds
-                # once, as the vector unit does; mixed dtypes go through acc
                 res = od.fn(*args, *scalars)
                 buffers[store.operand].view(res.shape).copy_(res)
 
