@@ -303,3 +303,96 @@ def _topk(op, bound):
         return NotImplemented
     k = bound["k"]
     return tuple(t.narrow(dim, 0, k).contiguous() for t in got)
+
+
+# ------------------------------------------------ compositions of kernels
+# Ops with no kernel of their own whose definition is a short expression in
+# ops that have one: they run as those kernels, on the card.
+def _spyre(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "spyre"
+
+
+@adapter("dot", "vdot", "inner", reason="a product with one output: elementwise mul + sum")
+def _dot(op, bound):
+    a = bound["self"]
+    b = bound.get("tensor", bound.get("other"))
+    if not (_spyre(a) and _spyre(b)) or a.dim() != 1 or a.shape != b.shape:
+        return NotImplemented
+    if a.dtype != b.dtype:
+        return NotImplemented  # PyTorch's dtype error
+    return (a * b).sum()
+
+
+@adapter("mv", reason="matrix-vector product: mm with a one-column matrix")
+def _mv(op, bound):
+    m, v = bound["self"], bound["vec"]
+    if not (_spyre(m) and _spyre(v)) or m.dim() != 2 or v.dim() != 1:
+        return NotImplemented
+    return (m @ v.unsqueeze(1)).squeeze(1)
+
+
+@adapter("addmv", reason="beta * self + alpha * (mat @ vec) through the matmul kernel")
+def _addmv(op, bound):
+    x, m, v = bound["self"], bound["mat"], bound["vec"]
+    if not (_spyre(x) and _spyre(m) and _spyre(v)) or m.dim() != 2 or v.dim() != 1:
+        return NotImplemented
+    beta, alpha = bound.get("beta", 1), bound.get("alpha", 1)
+    prod = (m @ v.unsqueeze(1)).squeeze(1)
+    if alpha != 1:
+        prod = prod * alpha
+    if beta == 0:
+        return prod.expand(torch.broadcast_shapes(x.shape, prod.shape)).contiguous()
+    return prod + (x * beta if beta != 1 else x)
+
+
+@adapter("equal", reason="a host bool from one comparison and an all-reduction on the card")
+def _equal(op, bound):
+    a, b = bound["self"], bound["other"]
+    if not (_spyre(a) and _spyre(b)):
+        return NotImplemented
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool((a == b).all().item()) if a.numel() else True
+
+
+@adapter("nansum", reason="sum with NaNs as zeros: where + sum")
+def _nansum(op, bound):
+    x = bound["self"]
+    if not _spyre(x) or bound.get("dtype") is not None:
+        return NotImplemented
+    clean = torch.where(torch.isnan(x), torch.zeros_like(x), x) if x.is_floating_point() else x
+    return clean.sum(bound.get("dim"), keepdim=bool(bound.get("keepdim", False)))
+
+
+@adapter("count_nonzero", reason="(x != 0) summed")
+def _count_nonzero(op, bound):
+    x = bound["self"]
+    if not _spyre(x):
+        return NotImplemented
+    dim = bound.get("dim")
+    return (x != 0).sum(dim if dim is not None else ()).to(torch.int64)
+
+
+@adapter("logsumexp", reason="max + log(sum(exp(x - max))): the stable form, in kernels")
+def _logsumexp(op, bound):
+    x = bound["self"]
+    if not _spyre_float(x) or x.numel() == 0:
+        return NotImplemented
+    dim = bound["dim"]
+    keepdim = bool(bound.get("keepdim", False))
+    m = x.amax(dim, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    out = (x - m).exp().sum(dim, keepdim=True).log() + m
+    if not keepdim:
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        out = out.squeeze(dims) if dims else out.squeeze()
+    return out
+
+
+@adapter("log_sigmoid_forward", reason="log(sigmoid(x)) = -softplus(-x), one kernel")
+def _log_sigmoid(op, bound):
+    x = bound["self"]
+    if not _spyre_float(x):
+        return NotImplemented
+    # the second output is a CPU-kernel scratch buffer for the backward pass
+    return -torch.nn.functional.softplus(-x), torch.empty(0, dtype=x.dtype, device=x.device)

@@ -64,6 +64,14 @@ def _bias(bias: torch.Tensor, rows: list[str], n: int, m: int):
     return None
 
 
+def _empty_product(out_shape, a, bias, alpha, beta):
+    """A product with no terms (k = 0) is zero; one with no rows or columns is empty."""
+    out = torch.zeros(out_shape, dtype=a.dtype, device=a.device)
+    if bias is not None and out.numel():
+        out = out + bias * beta if beta != 1 else out + bias
+    return out
+
+
 def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
     if a.dtype not in _FLOATS or b.dtype != a.dtype or (bias is not None and bias.dtype != a.dtype):
         return NotImplemented
@@ -79,7 +87,7 @@ def matmul(a, b, bias=None, alpha=1.0, beta=1.0):
         )
     out_shape = (*a.shape[:-2], m, n)
     if a.numel() == 0 or b.numel() == 0:
-        return NotImplemented  # empty or zero-k products: PyTorch's semantics
+        return _empty_product(out_shape, a, bias, alpha, beta)
     batch = ["b0"] if batched else []
     a_t, a_index, rows = _lhs(a, batch)
     b_t, b_index = _rhs(b, batch)

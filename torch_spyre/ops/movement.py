@@ -36,7 +36,8 @@ MOVEMENT = {
     "fill", "zero", "arange", "linspace", "logspace", "eye", "full", "ones", "zeros",
     "new_zeros", "new_ones", "new_full", "new_empty", "empty_like",
     # scans: one pass of the vector unit along the row
-    "cumsum", "cumprod", "cummax", "cummin",
+    "cumsum", "cumprod", "cummax", "cummin", "_cummax_helper", "_cummin_helper",
+    "index_reduce",
     # random generators (the card's generator state is the spyre Generator)
     "uniform", "normal", "bernoulli", "random", "exponential", "geometric", "cauchy",
     "log_normal", "randperm", "multinomial", "native_dropout",

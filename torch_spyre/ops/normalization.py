@@ -13,9 +13,11 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _softmax(x, dim, half_to_float, log):
-    if x.dtype not in _FLOATS or x.numel() == 0:
+    if x.dtype not in _FLOATS:
         raise NoKernel
     out_dtype = torch.float32 if half_to_float else x.dtype
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=out_dtype, device=x.device)
     shape = tuple(x.shape) or (1,)
     d = dim % len(shape)
     src = operands.base_of(x)
@@ -44,11 +46,16 @@ def _log_softmax_k(x, dim, half_to_float):
 
 @kernel("native_layer_norm.default")
 def _layer_norm(x, normalized_shape, weight, bias, eps):
-    if x.dtype not in _FLOATS or x.numel() == 0:
+    if x.dtype not in _FLOATS:
         raise NoKernel
     nd = len(normalized_shape)
     n = math.prod(normalized_shape)
     lead = tuple(x.shape[: x.dim() - nd])
+    if x.numel() == 0:
+        if n == 0:
+            raise NoKernel  # statistics of empty rows: PyTorch's NaN rules
+        stats = torch.empty((*lead, *([1] * nd)), dtype=x.dtype, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), stats, stats.clone()
     shape = (*lead, n) if lead else (1, n)
     for p in (weight, bias):
         if p is not None and p.dtype != x.dtype:

@@ -38,7 +38,7 @@ def _base(op) -> str:
 
 
 #: elementwise ops that PyTorch does not tag pointwise (on some overloads)
-_UNTAGGED = {"hardswish", "where", "copysign", "_prelu_kernel"}
+_UNTAGGED = {"hardswish", "where", "copysign", "_prelu_kernel", "rsub", "floor_divide"}
 
 
 def is_pointwise(op) -> bool:

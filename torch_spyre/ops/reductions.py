@@ -12,7 +12,7 @@ import math
 import torch
 
 from torch_spyre.ops import launch, operands, programs
-from torch_spyre.ops.registry import NoKernel, kernel
+from torch_spyre.ops.registry import NoKernel, kernel, out_variant
 from torch_spyre.sim import ops as sim_ops
 
 # name -> (fn(x, dim), identity for padding uneven core splits, combinable)
@@ -79,7 +79,7 @@ def reduce(
     )
     count = math.prod(x.shape[d] for d in dims) if x.dim() else 1
     if x.numel() == 0 or count == 0:
-        raise NoKernel  # identity-valued or error cases: PyTorch's semantics
+        return _empty_reduction(name, out_shape, out_dtype, x.device)
     if x.dim() == 0:
         src, rdim = x.reshape(1), 0
     elif len(dims) == 1:
@@ -117,6 +117,28 @@ def reduce(
     return out.view(out_shape)
 
 
+# What a reduction over no elements gives (PyTorch's identities); the others
+# (amax, argmax, ...) have none and PyTorch raises before reaching a kernel.
+_EMPTY_VALUE = {
+    "sum": 0,
+    "prod": 1,
+    "any": False,
+    "all": True,
+    "var": math.nan,
+    "std": math.nan,
+    "norm": 0,
+}
+
+
+def _empty_reduction(name, out_shape, out_dtype, device) -> torch.Tensor:
+    """The result of reducing no elements (or of reducing an empty tensor)."""
+    if math.prod(out_shape) == 0:
+        return torch.empty(out_shape, dtype=out_dtype, device=device)
+    if name not in _EMPTY_VALUE:
+        raise NoKernel
+    return torch.full(out_shape, _EMPTY_VALUE[name], dtype=out_dtype, device=device)
+
+
 def _float_out(x: torch.Tensor, dtype) -> torch.dtype:
     if dtype is not None:
         return dtype
@@ -143,6 +165,14 @@ def _mean(x, dim, keepdim=False, dtype=None):
         return NotImplemented
     if dtype is not None and dtype != x.dtype:
         return NotImplemented
+    dims = _dims(x, dim)
+    if x.numel() == 0 or (x.dim() and math.prod(x.shape[d] for d in dims) == 0):
+        shape = (
+            [1 if d in dims else n for d, n in enumerate(x.shape)]
+            if keepdim
+            else [n for d, n in enumerate(x.shape) if d not in dims]
+        )
+        return torch.full(shape, math.nan, dtype=x.dtype, device=x.device)
     return reduce(x, "sum", dim, keepdim, x.dtype, scale_by_count=True)
 
 
@@ -253,3 +283,41 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     if not x.dtype.is_floating_point or (dtype is not None and dtype != x.dtype):
         return NotImplemented
     return reduce(x, "norm", dim, keepdim, x.dtype, correction=float(ord))
+
+
+# out= forms of the reductions above
+for _name, _fn in (
+    ("sum.IntList_out", _sum),
+    ("mean.out", _mean),
+    ("amax.out", _amax),
+    ("amin.out", _amin),
+    ("prod.int_out", _prod),
+    ("var.correction_out", _var),
+    ("std.correction_out", _std),
+    ("linalg_vector_norm.out", _vector_norm),
+):
+    kernel(_name)(out_variant(_fn))
+
+
+@kernel("var_mean.correction")
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    return _var(x, dim, correction=correction, keepdim=keepdim), _mean(x, dim, keepdim)
+
+
+@kernel("std_mean.correction")
+def _std_mean(x, dim=None, *, correction=None, keepdim=False):
+    return _std(x, dim, correction=correction, keepdim=keepdim), _mean(x, dim, keepdim)
+
+
+@kernel("aminmax.default")
+def _aminmax(x, *, dim=None, keepdim=False):
+    if x.dtype == torch.bool or x.numel() == 0:
+        return NotImplemented
+    return _amin(x, () if dim is None else dim, keepdim), _amax(
+        x, () if dim is None else dim, keepdim
+    )
+
+
+@kernel("norm.out")
+def _norm_out(x, p, dim, keepdim=False, *, out):
+    return out_variant(_vector_norm)(x, 2 if p is None else p, dim, keepdim, out=out)

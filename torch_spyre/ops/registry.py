@@ -64,3 +64,18 @@ def kernel(*names: str, path: str = "kernel"):
 def _overload(name: str):
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def out_variant(fn: Callable) -> Callable:
+    """The ``out=`` form of functional kernel ``fn``: compute, then store into out."""
+
+    def with_out(*args, out, **kwargs):
+        result = fn(*args, **kwargs)
+        if result is NotImplemented:
+            return result
+        if out.shape != result.shape:
+            out.resize_(result.shape)
+        out.copy_(result)
+        return out
+
+    return with_out
