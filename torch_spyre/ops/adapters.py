@@ -211,24 +211,23 @@ def _div(op, bound):
     return _floor_div(*ab) if mode == "floor" else _trunc_div(*ab)
 
 
-@adapter("remainder", reason="integer remainder: a - b * floor(a / b) with exact correction")
-def _remainder(op, bound):
+def _int_remainder(bound, quotient):
     ab = _int_operands(bound)
     if ab is None:
         return NotImplemented
     _check_nonzero(ab[1])
     a, b = ab
-    return a - _floor_div(a, b) * b
+    return a - quotient(a, b) * b
+
+
+@adapter("remainder", reason="integer remainder: a - b * floor(a / b) with exact correction")
+def _remainder(op, bound):
+    return _int_remainder(bound, _floor_div)
 
 
 @adapter("fmod", reason="integer fmod: a - b * trunc(a / b) with exact correction")
 def _fmod(op, bound):
-    ab = _int_operands(bound)
-    if ab is None:
-        return NotImplemented
-    _check_nonzero(ab[1])
-    a, b = ab
-    return a - _trunc_div(a, b) * b
+    return _int_remainder(bound, _trunc_div)
 
 
 # --------------------------------------------------------- sorting family
