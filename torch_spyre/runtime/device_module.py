@@ -139,8 +139,14 @@ class _DefaultGenerators:
         return iter(_default_generators())
 
 
+_generators: tuple[torch.Generator, ...] = ()
+
+
 def _default_generators() -> tuple[torch.Generator, ...]:
-    return tuple(_C._default_generator(i) for i in range(device_count()))
+    global _generators
+    if len(_generators) != device_count():  # the card count is fixed at import
+        _generators = tuple(_C._default_generator(i) for i in range(device_count()))
+    return _generators
 
 
 default_generators = _DefaultGenerators()
