@@ -16,6 +16,7 @@ import torch
 from torch_spyre.ops import operands
 from torch_spyre.runtime import cards
 from torch_spyre.sim import KernelReport, Program, ProgramError
+from torch_spyre.sim import ops as sim_ops
 
 
 @dataclass
@@ -72,7 +73,7 @@ def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
             except ProgramError as err:
                 k = Kernel(None, {**k.info, "rejected": str(err)})  # type: ignore[arg-type]
         if len(_cache) > 8192:
-            _cache.clear()
+            clear_cache()
         _cache[key] = k
     else:
         _stats["hits"] += 1
@@ -84,5 +85,10 @@ def cache_info() -> dict[str, int]:
 
 
 def clear_cache() -> None:
+    """Forget every kernel, and the vector ops the eager layer registered for
+    them (named "aten.*": one per op and static arguments, e.g. per scalar)."""
     _cache.clear()
     _stats.update(hits=0, misses=0)
+    for registry in (sim_ops.VECTOR_OPS, sim_ops.REDUCTIONS):
+        for name in [n for n in registry if n.startswith("aten.")]:
+            del registry[name]
