@@ -127,3 +127,16 @@ def test_bad_card_count_is_a_clear_error(spyre_python):
     )
     assert r.returncode != 0
     assert "TORCH_SPYRE_NUM_CARDS must be 1..8" in r.stderr
+
+
+def test_autocast_runs_matmuls_in_fp16():
+    m = torch.nn.Linear(8, 8).to("spyre")
+    x = torch.randn(2, 8).to("spyre")
+    with torch.autocast("spyre", dtype=torch.float16):
+        y = m(x)
+        s = y.float().sum()
+    assert y.dtype == torch.float16 and y.device.type == "spyre"
+    assert s.dtype == torch.float32
+    ref = m.cpu()(x.cpu())
+    torch.testing.assert_close(y.cpu().float(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.float16 in torch.spyre.get_amp_supported_dtype()

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
@@ -414,6 +415,22 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", set_source_storage);
   m.impl("set_.source_Tensor", set_source_tensor);
   m.impl("set_", set_empty);
+}
+
+// ----------------------------------------------------------------- autocast
+// torch.autocast("spyre"): the same op lists CUDA uses (matmuls and convs in
+// the lower-precision dtype, reductions and losses in fp32); everything else
+// falls through.  Only C++ can register autocast wrappers.
+#define SPYRE_LOWER(op, ...) KERNEL_PRIVATEUSEONE(op, ##__VA_ARGS__, lower_precision_fp)
+#define SPYRE_FP32(op, ...) KERNEL_PRIVATEUSEONE(op, ##__VA_ARGS__, fp32)
+
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(SPYRE_LOWER)
+  AT_FORALL_FP32(SPYRE_FP32)
 }
 
 // -------------------------------------------------------------- generators

@@ -127,6 +127,17 @@ def get_device_properties(device: DeviceLike = None) -> SpyreDeviceProperties:
     )
 
 
+# ---------------------------------------------------------------------- AMP
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What torch.autocast("spyre") may cast to: the card computes in fp16
+    (IBM's DL16 slot); bf16 is stored and computed through fp32."""
+    return [torch.float16, torch.bfloat16]
+
+
+def is_bf16_supported() -> bool:
+    return True
+
+
 # ---------------------------------------------------------------------- RNG
 class _DefaultGenerators:
     def __getitem__(self, idx: int) -> torch.Generator:
