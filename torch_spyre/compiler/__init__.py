@@ -1,0 +1,121 @@
+"""``torch.compile`` for spyre: an Inductor backend that plans kernel programs.
+
+``register()`` (called by ``import torch_spyre``) installs, through Inductor's
+public device hooks only:
+
+* ``register_backend_for_device("spyre", SpyreScheduling, SpyreWrapperCodegen,
+  device_custom_pass=...)``: plain ``torch.compile(fn)`` on spyre tensors uses
+  it; other devices keep their own backends;
+* ``register_interface_for_device("spyre", SpyreInterface)``: Dynamo's device
+  interface, with properties from the card's hardware config;
+* ``register_device_op_overrides("spyre", ...)``: what the wrapper writes for
+  device guards and synchronisation.
+
+The custom pass carries the backend's version in its ``uuid()``, which
+Inductor puts into the FX graph cache key: code planned by an older
+torch_spyre is never replayed.  See docs/compiler.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import pathlib
+import sys
+
+_registered = False
+
+
+def backend_version() -> str:
+    """torch_spyre's version plus a hash of the sources that shape compiled code."""
+    import torch_spyre
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(torch_spyre.__version__.encode())
+    for sub in ("compiler", "sim", "ops"):
+        for p in sorted((root / sub).rglob("*.py")):
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
+    h.update((root / "layout.py").read_bytes())
+    return f"{torch_spyre.__version__}+{h.hexdigest()[:16]}"
+
+
+def register_interface() -> None:
+    """Dynamo's device interface for spyre (needs only torch._dynamo)."""
+    from torch._dynamo.device_interface import register_interface_for_device
+
+    from torch_spyre.compiler.interface import SpyreInterface
+
+    register_interface_for_device("spyre", SpyreInterface)
+
+
+def register() -> None:
+    """The Inductor backend, device interface and device op overrides for spyre."""
+    global _registered
+    if _registered:
+        return
+    from torch._inductor.codegen.common import (
+        register_backend_for_device,
+        register_device_op_overrides,
+    )
+
+    from torch_spyre.compiler.passes import SpyreGraphPass
+    from torch_spyre.compiler.scheduling import (
+        SpyreDeviceOpOverrides,
+        SpyreScheduling,
+        SpyreWrapperCodegen,
+    )
+
+    register_interface()
+    register_backend_for_device(
+        "spyre",
+        SpyreScheduling,
+        SpyreWrapperCodegen,
+        device_custom_pass=SpyreGraphPass(),
+    )
+    register_device_op_overrides("spyre", SpyreDeviceOpOverrides())
+    _registered = True
+
+
+#: module -> what to register once it has loaded (Inductor's compile_fx is
+#: loaded before any graph is lowered, after the scheduler and wrapper modules)
+_TRIGGERS = {
+    "torch._dynamo.device_interface": register_interface,
+    "torch._inductor.compile_fx": register,
+}
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Registers the backend right after Dynamo/Inductor load, so that
+    ``import torch_spyre`` does not pay for importing Inductor (~1.7 s)."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _TRIGGERS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                run = loader.exec_module
+
+                def exec_module(module, _run=run, _then=_TRIGGERS[name]):
+                    _run(module)
+                    _then()
+
+                loader.exec_module = exec_module  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def install() -> None:
+    """Register now if Dynamo and Inductor are loaded, else as soon as they are."""
+    for mod, then in _TRIGGERS.items():
+        if mod in sys.modules:
+            then()
+    if not _registered and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+__all__ = ["backend_version", "install", "register"]

@@ -1,0 +1,998 @@
+"""Inductor loop IR -> one kernel program per fused group of scheduler nodes.
+
+Each scheduler node's store function (``ComputedBuffer.get_store_function``)
+is evaluated over its *unsimplified* ranges with an ops handler that records
+kernel-program steps instead of printing code:
+
+* every iteration variable becomes a named program dim; ``load``/``store``
+  index expressions are decomposed into "host dim k of the buffer is indexed
+  by variable v" (``_decompose``), so operands keep their stick layouts; a
+  buffer read in a finer shape than it has (a reshape whose pieces are
+  non-stick dims) is presented to the program as a *view layout* of the same
+  device bytes, so reshapes never move data;
+* across the nodes of a fused group, variables that index the same piece of
+  a buffer one node stores and another loads are unified: that buffer stays
+  an LX buffer (no store, no reload) unless something outside the group
+  reads it;
+* pointwise ops become ``Vector`` steps (in fp32 LX buffers: the vector unit
+  computes 16-bit data in fp32), reductions ``Reduce`` steps over whole rows
+  (a welford / var_mean reduction is two passes over the row in LX);
+* LX buffers are reused by liveness (``_reuse_buffers``) and the tile of
+  every loop dim is shrunk until the whole working set, double-buffered
+  loads/stores included, fits half the LX (``_plan_dims``);
+* the core split takes the non-reduced dims with the most parallel work,
+  the stick dim of stored operands only in whole sticks.
+
+Anything the handler cannot express raises ``Unsupported`` naming the op;
+the scheduling then plans the nodes one by one, and a node that still fails
+stops compilation with that message (there is no silent host fallback
+inside a compiled region).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import sympy
+import torch
+
+from torch_spyre.layout import SpyreTensorLayout, stick_elems
+from torch_spyre.sim import (
+    Buffer,
+    Dim,
+    HardwareConfig,
+    Load,
+    Matmul,
+    Operand,
+    Program,
+    ProgramError,
+    Reduce,
+    Store,
+    Vector,
+)
+from torch_spyre.sim import ops as sim_ops
+
+
+class Unsupported(NotImplementedError):
+    """The planner cannot express this in a kernel program (the message says what)."""
+
+
+# ----------------------------------------------------------- vector ops we add
+def _register_ops() -> None:
+    """Vector ops the compiler needs beyond the stock set (append-only)."""
+    new = [
+        ("erf", torch.erf, "transcendental", 1),
+        ("maximum_scalar", lambda x, s: torch.clamp_min(x, s), "simple", 1),
+        ("minimum_scalar", lambda x, s: torch.clamp_max(x, s), "simple", 1),
+        ("where", torch.where, "simple", 3),
+        ("lt", torch.lt, "simple", 2),
+        ("le", torch.le, "simple", 2),
+        ("gt", torch.gt, "simple", 2),
+        ("ge", torch.ge, "simple", 2),
+        ("eq", torch.eq, "simple", 2),
+        ("ne", torch.ne, "simple", 2),
+        ("logical_and", torch.logical_and, "simple", 2),
+        ("logical_or", torch.logical_or, "simple", 2),
+        ("logical_not", torch.logical_not, "simple", 1),
+        ("pow", torch.pow, "transcendental", 2),
+        ("log1p", torch.log1p, "transcendental", 1),
+        ("expm1", torch.expm1, "transcendental", 1),
+        ("sign", torch.sign, "simple", 1),
+        ("fill", lambda v: torch.tensor(v, dtype=torch.float32), "simple", 0),
+        # the first input repeated along the dims of the second (which only gives shape)
+        ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], "simple", 2),
+    ]
+    for name, fn, cost, n in new:
+        if name not in sim_ops.VECTOR_OPS:
+            sim_ops.register_op(name, fn, cost, n)
+    if "any" not in sim_ops.REDUCTIONS:
+        sim_ops.register_reduction("any", lambda x, d: x.bool().any(d), 0.0)
+
+
+_register_ops()
+
+_UNARY = {
+    "exp": "exp",
+    "log": "log",
+    "tanh": "tanh",
+    "sigmoid": "sigmoid",
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "reciprocal": "reciprocal",
+    "neg": "neg",
+    "abs": "abs",
+    "relu": "relu",
+    "erf": "erf",
+    "log1p": "log1p",
+    "expm1": "expm1",
+    "sign": "sign",
+    "logical_not": "logical_not",
+    "square": "square",
+    "silu": "silu",
+}
+_BINARY = {
+    "add": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "truediv": "div",
+    "div": "div",
+    "maximum": "maximum",
+    "minimum": "minimum",
+    "lt": "lt",
+    "le": "le",
+    "gt": "gt",
+    "ge": "ge",
+    "eq": "eq",
+    "ne": "ne",
+    "logical_and": "logical_and",
+    "logical_or": "logical_or",
+    "pow": "pow",
+}
+_PY_BINARY = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "truediv": lambda a, b: a / b,
+    "div": lambda a, b: a / b,
+    "maximum": max,
+    "minimum": min,
+    "pow": lambda a, b: a**b,
+}
+
+
+# ----------------------------------------------------------------- values
+@dataclass(frozen=True)
+class Val:
+    """A value in an LX buffer, indexed by iteration variables."""
+
+    buf: str
+    dims: frozenset[str]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Scal:
+    value: float | int | bool
+    dtype: torch.dtype
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _default_numel(size, dtype) -> int:
+    return SpyreTensorLayout.default(tuple(size) or (1,), dtype).device_numel
+
+
+def _lx_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype.is_floating_point else dtype
+
+
+# ------------------------------------------------------- index decomposition
+def _decompose(index, sizes, strides, offset, ranges: dict[str, int], what: str):
+    """How an affine index reads a buffer: per buffer dim, the variables that
+    index it (outer to inner) and the element offset the read starts at.
+
+    Raises ``Unsupported`` for anything else (non-affine, dims mixed, reads
+    outside the buffer)."""
+    index = sympy.expand(sympy.sympify(index) - offset)
+    coeff: dict[str, int] = {}
+    rest = index
+    for s in index.free_symbols:
+        c = index.coeff(s)
+        if not c.is_Integer:
+            raise Unsupported(f"{what}: non-affine index {index}")
+        coeff[s.name] = int(c)
+        rest = rest - c * s
+    rest = sympy.expand(rest)
+    if not rest.is_Integer:
+        raise Unsupported(f"{what}: non-affine index {index}")
+    per_dim: list[list[str]] = [[] for _ in sizes]
+    for name, c in coeff.items():
+        if c == 0 or ranges.get(name, 1) == 1:
+            continue
+        hit = None
+        for j, (sz, st) in enumerate(zip(sizes, strides)):
+            if sz > 1 and st > 0 and c % st == 0 and st <= c < st * sz:
+                hit = j
+                break
+        if hit is None:
+            raise Unsupported(f"{what}: index {index} does not follow the buffer's strides")
+        per_dim[hit].append(name)
+    offsets = [0] * len(sizes)
+    rem = int(rest)
+    for j in sorted(range(len(sizes)), key=lambda j: -strides[j]):
+        if sizes[j] > 1 and strides[j] > 0:
+            offsets[j], rem = divmod(rem, strides[j])
+    if rem:
+        raise Unsupported(f"{what}: index {index} starts between elements")
+    out: list[list[str]] = []
+    for j, (sz, st) in enumerate(zip(sizes, strides)):
+        vs = sorted(per_dim[j], key=lambda n: -coeff[n])
+        expect = st
+        for n in reversed(vs):
+            if coeff[n] != expect:
+                raise Unsupported(f"{what}: index {index} mixes dims of the buffer")
+            expect *= ranges[n]
+        if offsets[j] + expect // st > max(sz, 1):
+            raise Unsupported(f"{what}: index {index} reads past dim {j} of the buffer")
+        out.append(vs)
+    return out, offsets
+
+
+def view_layout(size, dtype, factors, offsets=None):
+    """The default layout of a buffer of ``size`` read as a view: dim j split
+    into ``factors[j]`` (sizes, outer to inner; [] for an unindexed dim),
+    starting ``offsets[j]`` elements in.  Same device bytes, no data moved:
+    returns (layout of the view, first device element), or raises
+    ``Unsupported`` when the view is not one contiguous block of sticks."""
+    size = tuple(size) or (1,)
+    offsets = list(offsets or [0] * len(size))
+    base = SpyreTensorLayout.default(size, dtype)
+    n = len(size)
+    se = stick_elems(dtype)
+    # per host dim: full sizes of its pieces, and (offset, length) of the outer one
+    full: list[list[int]] = []
+    part: list[tuple[int, int]] = []
+    for j, f in enumerate(factors):
+        f = list(f) or [1]
+        inner = math.prod(f[1:])
+        if size[j] % inner or offsets[j] % inner:
+            raise Unsupported(f"a reshape of a {list(size)} buffer that does not divide dim {j}")
+        full.append([size[j] // inner] + f[1:])
+        part.append((offsets[j] // inner, f[0]))
+    first, pos = [], 0
+    for f in full:
+        first.append(pos)
+        pos += len(f)
+    dev: list[list] = []  # [size, host position, (offset, length) or None]
+    last_dev = len(base.device_size) - 1
+    for i_dev, (ds, k) in enumerate(zip(base.device_size, base.dim_map)):
+        if k < 0:
+            dev.append([ds, k, None])
+            continue
+        f, (o, c) = full[k], part[k]
+        partial = (o, c) if (o or c < f[0]) else None
+        if i_dev == last_dev:  # the lanes of a stick: the innermost piece of the stick dim
+            dev.append([se, first[k] + len(f) - 1, None])
+        elif k != n - 1:
+            for i, x in enumerate(f):
+                dev.append([x, first[k] + i, partial if i == 0 else None])
+        elif len(f) > 1:  # the stick blocks of a split stick dim
+            if f[-1] % se:
+                raise Unsupported(
+                    f"a reshape that splits the stick dim of a {list(size)} buffer "
+                    f"into pieces of {f[-1]} (not whole sticks of {se})"
+                )
+            for i, x in enumerate(f[:-1]):
+                dev.append([x, first[k] + i, partial if i == 0 else None])
+            dev.append([f[-1] // se, first[k] + len(f) - 1, None])
+        else:
+            if partial and (o % se or (c % se and o + c != size[k])):
+                raise Unsupported(
+                    f"a slice [{o}:{o + c}] of the stick dim of a {list(size)} buffer "
+                    "that is not whole sticks"
+                )
+            blk = (o // se, -(-c // se)) if partial else None
+            dev.append([-(-size[k] // se), first[k], blk])
+    # the view must be one contiguous block: one device dim is cut, and every
+    # device dim outside it has size 1
+    cut = [i for i, d in enumerate(dev) if d[2] is not None]
+    if len(cut) > 1 or (cut and any(d[0] != 1 for d in dev[: cut[0]])):
+        raise Unsupported(
+            f"a slice of a {list(size)} buffer that is not contiguous in device memory"
+        )
+    start = 0
+    if cut:
+        p = cut[0]
+        o, c = dev[p][2]
+        start = o * math.prod(d[0] for d in dev[p + 1 :])
+        dev[p] = [c, dev[p][1], None]
+    host = []
+    for j, f in enumerate(full):
+        host.extend([part[j][1]] + f[1:])
+    lay = SpyreTensorLayout(tuple(host), tuple(d[0] for d in dev), tuple(d[1] for d in dev), dtype)
+    return lay, start
+
+
+# ------------------------------------------------------------------ builder
+@dataclass
+class OperandUse:
+    name: str  # program operand name
+    buffer: str  # Inductor buffer name (the wrapper variable)
+    role: str
+    layout: SpyreTensorLayout
+    shape: tuple[int, ...]  # the wrapper tensor's shape
+    #: first device element of the view (a slice that is one block of sticks)
+    start: int = 0
+
+
+@dataclass
+class Plan:
+    program: Program
+    operands: list[OperandUse]
+    removed: set[str] = field(default_factory=set)
+    #: a wrapper line to write after the launch (drops a fused matmul's inputs)
+    after: str | None = None
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def find(self, x: str) -> str:
+        p = self.parent.setdefault(x, x)
+        if p != x:
+            p = self.parent[x] = self.find(p)
+        return p
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+class ProgramBuilder:
+    """Records kernel-program steps while Inductor's inner functions run on it."""
+
+    def __init__(self, buffer_info, config: HardwareConfig | None = None, simplify=None) -> None:
+        self._simplify = simplify
+        #: name -> (size, stride, offset, dtype) of every Inductor buffer / graph input
+        self.buffer_info = buffer_info
+        self.cfg = config or HardwareConfig()
+        self.steps: list = []
+        self.buffers: dict[str, Buffer] = {}
+        self.ranges: dict[str, int] = {}
+        self.order: list[str] = []
+        self.reduced: set[str] = set()
+        self.uf = _UnionFind()
+        self.operands: dict[tuple, OperandUse] = {}
+        #: buffers stored in this group: name -> (value, per-dim variables)
+        self.produced: dict[str, tuple[Val, list[list[str]]]] = {}
+        self.store_steps: dict[str, int] = {}
+        self.cse: dict[tuple, Val] = {}
+        self.load_index: dict[str, tuple[str | None, ...]] = {}
+        #: 0-dim buffers (their operands are 1-element vectors)
+        self.scalars: set[str] = set()
+        self._n = 0
+        self.node_vars: list[str] = []
+
+    # ------------------------------------------------------------ helpers
+    def simplify(self, expr):
+        return self._simplify(expr, self.ranges) if self._simplify else expr
+
+    def new_vars(self, prefix: str, sizes) -> list:
+        out = []
+        for s in sizes:
+            s = int(s)
+            if s == 1:
+                out.append(sympy.Integer(0))
+                continue
+            name = f"{prefix}{self._n}"
+            self._n += 1
+            self.ranges[name] = s
+            self.order.append(name)
+            out.append(sympy.Symbol(name, integer=True, nonnegative=True))
+        return out
+
+    def _buf(self, dims, dtype, double=False) -> str:
+        name = f"t{len(self.buffers)}"
+        self.buffers[name] = Buffer(name, tuple(sorted(dims)), dtype, double)
+        return name
+
+    def _info(self, name: str):
+        try:
+            size, stride, offset, dtype = self.buffer_info(name)
+        except KeyError:
+            raise Unsupported(f"buffer {name!r} has no fixed layout") from None
+        if not size:  # a scalar is stored as a 1-element vector
+            self.scalars.add(name)
+            return (1,), (1,), offset, dtype
+        return size, stride, offset, dtype
+
+    def _operand(self, buffer: str, role: str, factors, offsets, size, dtype) -> OperandUse:
+        shape_f = [[self.ranges[v] for v in f] for f in factors]
+        key = (buffer, role, tuple(tuple(f) for f in shape_f), tuple(offsets))
+        use = self.operands.get(key)
+        if use is None:
+            lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
+            if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
+                raise Unsupported(f"a store into part of {buffer}")
+            shape = () if buffer in self.scalars else tuple(size)
+            use = OperandUse(f"{role[:2]}{len(self.operands)}", buffer, role, lay, shape, start)
+            self.operands[key] = use
+        return use
+
+    @staticmethod
+    def _index(factors) -> tuple[str | None, ...]:
+        idx: list[str | None] = []
+        for f in factors:
+            idx.extend(f if f else [None])
+        return tuple(idx)
+
+    def _vec(self, op: str, inputs: list[Val], scalars=(), dtype=torch.float32) -> Val:
+        key = (op, tuple(v.buf for v in inputs), tuple(scalars), dtype)
+        hit = self.cse.get(key)
+        if hit is not None:
+            return hit
+        dims = frozenset().union(*(v.dims for v in inputs)) if inputs else frozenset()
+        out = self._buf(dims, dtype)
+        self.steps.append(Vector(op, out, tuple(v.buf for v in inputs), tuple(scalars)))
+        val = Val(out, dims, dtype)
+        self.cse[key] = val
+        return val
+
+    def _materialise(self, x) -> Val:
+        if isinstance(x, Val):
+            return x
+        dt = _lx_dtype(x.dtype)
+        v = self._vec("fill", [], (float(x.value),), torch.float32)
+        return v if dt == torch.float32 else self._vec("copy", [v], (), dt)
+
+    # ------------------------------------------------------ ops handler API
+    def load(self, name: str, index, share: bool = True) -> Val:
+        """``share``: reuse a tile of the same operand already loaded by this
+        group (unifying their dims); a matmul's operands are never shared, since
+        their k dim is not the epilogue's."""
+        size, stride, offset, dtype = self._info(name)
+        index = self.simplify(index)
+        factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
+        if name in self.produced:
+            val, pf = self.produced[name]
+            if any(offs):
+                raise Unsupported(f"{name} is read in part after it was written")
+            for a, b in zip(pf, factors):
+                if [self.ranges[v] for v in a] != [self.ranges[v] for v in b]:
+                    raise Unsupported(f"{name} is read in another shape than it was written")
+                for x, y in zip(a, b):
+                    self.uf.union(x, y)
+            return val
+        use = self._operand(name, "input", factors, offs, size, dtype)
+        idx = self._index(factors)
+        key = ("load", use.name) if share else ("load-private", len(self.steps))
+        hit = self.cse.get(key)
+        if hit is not None:
+            # the same operand loaded again (by a later node of the group): reuse
+            # the tile already in LX, its dims are this node's dims
+            for x, y in zip(self.load_index[use.name], idx):
+                if x is not None and y is not None:
+                    self.uf.union(x, y)
+            return hit
+        dims = frozenset(d for d in idx if d is not None)
+        buf = self._buf(dims, dtype, double=True)
+        self.steps.append(Load(buf, use.name, idx))
+        val = Val(buf, dims, dtype)
+        self.cse[key] = val
+        self.load_index[use.name] = idx
+        return val
+
+    def store(self, name: str, index, value, mode=None) -> None:
+        if mode is not None:
+            raise Unsupported(f"store mode {mode!r} into {name}")
+        size, stride, offset, dtype = self._info(name)
+        index = self.simplify(index)
+        factors, offs = _decompose(index, size, stride, offset, self.ranges, f"store of {name}")
+        if isinstance(value, Scal):
+            raise Unsupported(f"store of a constant into {name}")
+        idx_dims = {self.uf.find(v) for f in factors for v in f}
+        vdims = {self.uf.find(v) for v in value.dims}
+        if not idx_dims >= vdims:
+            raise Unsupported(f"store into {name}: value has dims the output lacks")
+        for v in sorted({v for f in factors for v in f}):
+            if self.uf.find(v) not in vdims:  # a repeat / expand: broadcast in LX
+                value = self._vec("bcast", [value, self._iota(v)], (), value.dtype)
+                vdims.add(self.uf.find(v))
+        use = self._operand(name, "output", factors, offs, size, dtype)
+        self.produced[name] = (value, factors)
+        self.store_steps[name] = len(self.steps)
+        self.steps.append(Store(use.name, value.buf, self._index(factors)))
+
+    def store_reduction(self, name: str, index, value) -> None:
+        self.store(name, index, value)
+
+    def reduction(self, dtype, src_dtype, reduction_type, value):
+        rvars = [v for v in self.node_rvars]
+        if isinstance(value, tuple):
+            raise Unsupported(f"reduction {reduction_type} of several values")
+        value = self._materialise(value)
+        if reduction_type in ("sum", "max", "min"):
+            return self._reduce(reduction_type, value, rvars, _lx_dtype(dtype))
+        if reduction_type == "any":
+            return self._reduce("any", value, rvars, torch.bool)
+        if reduction_type == "welford_reduce":
+            n = math.prod(self.ranges[v] for v in rvars)
+            s = self._reduce("sum", value, rvars, torch.float32)
+            mean = self._vec("mul_scalar", [s], (1.0 / n,))
+            xc = self._vec("sub", [value, mean])
+            sq = self._vec("square", [xc])
+            m2 = self._reduce("sum", sq, rvars, torch.float32)
+            return (mean, m2, Scal(float(n), torch.float32))
+        raise Unsupported(f"reduction {reduction_type!r}")
+
+    def _reduce(self, op: str, value: Val, rvars, dtype) -> Val:
+        for r in reversed(rvars):  # innermost first: the outer one may be streamed
+            same = [d for d in value.dims if self.uf.find(d) == self.uf.find(r)]
+            r = same[0] if same else r
+            if r not in value.dims:
+                if op == "sum":  # a sum of a value constant along r
+                    value = self._vec("mul_scalar", [value], (float(self.ranges[r]),))
+                continue
+            key = ("reduce", op, value.buf, r)
+            hit = self.cse.get(key)
+            if hit is None:
+                dims = frozenset(d for d in value.dims if self.uf.find(d) != self.uf.find(r))
+                out = self._buf(dims, dtype)
+                self.steps.append(Reduce(op, out, value.buf, r))
+                hit = self.cse[key] = Val(out, dims, dtype)
+            self.reduced.add(r)
+            value = hit
+        return value
+
+    def matmul(self, a: Val, b: Val, kvars: list[str]) -> Val:
+        """A PE-array contraction of ``a`` and ``b`` over ``kvars`` (fp32 accumulation)."""
+        dims = (a.dims | b.dims) - set(kvars)
+        out = self._buf(dims, torch.float32)
+        self.steps.append(Matmul(out, a.buf, b.buf))
+        self.reduced.update(kvars)
+        return Val(out, frozenset(dims), torch.float32)
+
+    def constant(self, value, dtype) -> Scal:
+        return Scal(value, dtype)
+
+    def index_expr(self, expr, dtype):
+        """An affine index expression as a value: iota tables (constant device
+        operands, one per dim) scaled and summed on the vector unit."""
+        expr = sympy.expand(sympy.sympify(self.simplify(expr)))
+        if expr.is_number:
+            return Scal(int(expr), dtype)
+        acc = None
+        rest = expr
+        for s in sorted(expr.free_symbols, key=lambda x: x.name):
+            c = expr.coeff(s)
+            if not c.is_Integer or s.name not in self.ranges:
+                raise Unsupported(f"index expression {expr} as a value")
+            rest = rest - c * s
+            v = self._iota(s.name)
+            if int(c) != 1:
+                v = self._vec("mul_scalar", [v], (float(c),))
+            acc = v if acc is None else self._vec("add", [acc, v])
+        rest = sympy.expand(rest)
+        if not rest.is_number:
+            raise Unsupported(f"index expression {expr} as a value")
+        if rest != 0:
+            acc = self._vec("add_scalar", [acc], (float(rest),))
+        return acc
+
+    def _iota(self, var: str) -> Val:
+        n = self.ranges[var]
+        key = ("iota", n)
+        use = self.operands.get(key)
+        if use is None:
+            lay = SpyreTensorLayout.default((n,), torch.float32)
+            use = OperandUse(f"io{len(self.operands)}", f"iota:{n}", "iota", lay, (n,))
+            self.operands[key] = use
+        ck = ("load-iota", use.name, var)
+        hit = self.cse.get(ck)
+        if hit is None:
+            buf = self._buf({var}, torch.float32, double=True)
+            self.steps.append(Load(buf, use.name, (var,)))
+            hit = self.cse[ck] = Val(buf, frozenset({var}), torch.float32)
+        return hit
+
+    def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
+        if isinstance(x, Scal):
+            return Scal(x.value, dtype)
+        want = _lx_dtype(dtype)
+        if want == x.dtype:
+            return x
+        return self._vec("copy", [x], (), want)
+
+    def where(self, cond, a, b):
+        vals = [self._materialise(v) for v in (cond, a, b)]
+        dt = vals[1].dtype if vals[1].dtype.is_floating_point else torch.float32
+        return self._vec("where", vals, (), dt)
+
+    def _unary(self, op: str, x):
+        if isinstance(x, Scal):
+            t = getattr(torch, op)(torch.tensor(float(x.value)))
+            return Scal(t.item(), x.dtype)
+        dt = torch.bool if op == "logical_not" else torch.float32
+        return self._vec(_UNARY[op], [x], (), dt)
+
+    def _binary(self, op: str, a, b):
+        if isinstance(a, Scal) and isinstance(b, Scal):
+            if op in _PY_BINARY:
+                return Scal(_PY_BINARY[op](a.value, b.value), a.dtype)
+            raise Unsupported(f"{op} of two constants")
+        out_bool = op in ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or")
+        if isinstance(b, Scal) and not out_bool:
+            c = float(b.value)
+            if op == "add":
+                return self._vec("add_scalar", [a], (c,))
+            if op == "sub":
+                return self._vec("add_scalar", [a], (-c,))
+            if op == "mul":
+                return self._vec("mul_scalar", [a], (c,))
+            if op in ("truediv", "div") and c != 0:
+                return self._vec("mul_scalar", [a], (1.0 / c,))
+            if op == "maximum":
+                return self._vec("maximum_scalar", [a], (c,))
+            if op == "minimum":
+                return self._vec("minimum_scalar", [a], (c,))
+            if op == "pow":
+                return self._vec("pow_scalar", [a], (c,))
+        if isinstance(a, Scal) and not out_bool:
+            c = float(a.value)
+            if op == "add":
+                return self._vec("add_scalar", [b], (c,))
+            if op == "mul":
+                return self._vec("mul_scalar", [b], (c,))
+            if op == "sub":
+                return self._vec("add_scalar", [self._vec("neg", [b])], (c,))
+            if op in ("truediv", "div"):
+                r = self._vec("reciprocal", [b])
+                return r if c == 1.0 else self._vec("mul_scalar", [r], (c,))
+            if op == "maximum":
+                return self._vec("maximum_scalar", [b], (c,))
+            if op == "minimum":
+                return self._vec("minimum_scalar", [b], (c,))
+        a, b = self._materialise(a), self._materialise(b)
+        return self._vec(_BINARY[op], [a, b], (), torch.bool if out_bool else torch.float32)
+
+    def __getattr__(self, name: str):
+        if name in _UNARY:
+            return lambda x, *rest: self._unary(name, x)
+        if name in _BINARY:
+            return lambda a, b: self._binary(name, a, b)
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def unsupported(*args, **kwargs):
+            raise Unsupported(f"op {name!r}")
+
+        return unsupported
+
+    # ------------------------------------------------------------ finishing
+    def finish(self, name: str, keep: set[str], allow_lx: bool) -> Plan:
+        """The program: unify dims, drop stores of group-internal buffers,
+        reuse LX buffers, choose the core split and tiles."""
+        removed = set()
+        drop = set()
+        for buf, pos in self.store_steps.items():
+            if buf not in keep and allow_lx:
+                drop.add(pos)
+                removed.add(buf)
+        steps = [s for i, s in enumerate(self.steps) if i not in drop]
+        used_ops = {s.operand for s in steps if isinstance(s, Load | Store)}
+        ops = [u for u in self.operands.values() if u.name in used_ops]
+        # canonical dim names
+        canon: dict[str, str] = {}
+        for v in self.order:
+            r = self.uf.find(v)
+            if r not in canon:
+                canon[r] = f"d{len(canon)}"
+        ren = {v: canon[self.uf.find(v)] for v in self.order}
+        for v in self.order:
+            if self.ranges[v] != self.ranges[self.uf.find(v)]:
+                raise Unsupported("a fused dim with two sizes")
+        sizes = {ren[v]: self.ranges[v] for v in self.order}
+        reduced = {ren[v] for v in self.reduced}
+        steps = [_rename_step(s, ren) for s in steps]
+        buffers = {
+            n: replace(b, dims=tuple(sorted({ren[d] for d in b.dims}, key=_dkey)))
+            for n, b in self.buffers.items()
+        }
+        steps, buffers = _reuse_buffers(steps, buffers)
+        return Plan(_plan_dims(name, steps, buffers, ops, sizes, reduced, self.cfg), ops, removed)
+
+
+def _dkey(d: str) -> int:
+    return int(d[1:])
+
+
+def _rename_step(s, ren: dict[str, str]):
+    if isinstance(s, Load | Store):
+        return replace(s, index=tuple(ren[d] if d is not None else None for d in s.index))
+    if isinstance(s, Reduce):
+        return replace(s, dim=ren[s.dim])
+    return s
+
+
+def _reads(s) -> tuple[str, ...]:
+    if isinstance(s, Store):
+        return (s.buffer,)
+    if isinstance(s, Vector):
+        return s.inputs
+    if isinstance(s, Reduce):
+        return (s.input,)
+    if isinstance(s, Matmul):
+        return (s.a, s.b)
+    return ()
+
+
+def _writes(s) -> str | None:
+    if isinstance(s, Load):
+        return s.buffer
+    if isinstance(s, Vector | Reduce | Matmul):
+        return s.out
+    return None
+
+
+def _reuse_buffers(steps, buffers: dict[str, Buffer]):
+    """LX planning inside the kernel: a buffer whose value is dead is reused by
+    the next value of the same dims and dtype (vector ops may work in place)."""
+    last: dict[str, int] = {}
+    for i, s in enumerate(steps):
+        for r in _reads(s):
+            last[r] = i
+    free: dict[tuple, list[str]] = {}
+    alias: dict[str, str] = {}
+    out_steps = []
+    for i, s in enumerate(steps):
+        w = _writes(s)
+        reads = [alias.get(r, r) for r in _reads(s)]
+        if isinstance(s, Store):
+            s = replace(s, buffer=reads[0])
+        elif isinstance(s, Vector):
+            s = replace(s, inputs=tuple(reads))
+        elif isinstance(s, Reduce):
+            s = replace(s, input=reads[0])
+        elif isinstance(s, Matmul):
+            s = replace(s, a=reads[0], b=reads[1])
+        # release the inputs that die here (before allocating the output: in place)
+        if not isinstance(s, Reduce | Matmul):
+            _release(s, i, last, alias, buffers, free, steps)
+        if w is not None:
+            b = buffers[w]
+            key = (b.dims, b.dtype, b.double_buffered)
+            if not b.double_buffered and free.get(key):
+                alias[w] = free[key].pop()
+            else:
+                alias[w] = w
+            if isinstance(s, Load):
+                s = replace(s, buffer=alias[w])
+            elif isinstance(s, Vector | Reduce | Matmul):
+                s = replace(s, out=alias[w])
+        if isinstance(s, Reduce | Matmul):
+            _release(s, i, last, alias, buffers, free, steps)
+        out_steps.append(s)
+    used = {x for s in out_steps for x in (*_reads(s), _writes(s)) if x}
+    return out_steps, {n: b for n, b in buffers.items() if n in used}
+
+
+def _release(s, i, last, alias, buffers, free, steps) -> None:
+    for orig, at in list(last.items()):
+        if at == i:
+            phys = alias.get(orig, orig)
+            b = buffers[phys]
+            if not b.double_buffered:
+                free.setdefault((b.dims, b.dtype, b.double_buffered), []).append(phys)
+            del last[orig]
+
+
+def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
+    """Core split, tiles and loops of a kernel built around one PE-array matmul,
+    with the eager matmul builder's choices (``sim.kernels.default_matmul_split``
+    / ``default_matmul_tiles``): batch dims over cores first, then the output
+    plane (``n`` in whole sticks); ``k`` streamed through the LX in tiles.
+    None when the shape is not (batch, rows, one n, k)."""
+    from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
+
+    a, b, o = (set(buffers[x].dims) for x in (mm.a, mm.b, mm.out))
+    kd = sorted((a & b) - o, key=_dkey)
+    batch = sorted(a & b & o, key=_dkey)
+    rows = sorted((a & o) - b, key=_dkey)
+    cols = sorted((b & o) - a, key=_dkey)
+    if len(cols) != 1 or not kd:
+        return None
+    (nd,) = cols
+    # dims an epilogue reduces (a softmax over n) stay whole on each core
+    held = {s.dim for s in steps if isinstance(s, Reduce)}
+    dtype = buffers[mm.a].dtype
+    se = stick_elems(dtype)
+    m = math.prod(sizes[d] for d in rows) if rows else 1
+    n, k = sizes[nd], math.prod(sizes[d] for d in kd)
+    split: dict[str, tuple[int, int | None]] = {}
+    used = 1
+    for d in batch:
+        c = max(1, min(sizes[d], cfg.cores // used))
+        while (cfg.cores // used) % c:
+            c -= 1
+        if c > 1:
+            split[d] = (c, None)
+        used *= c
+    rest = cfg.cores // used
+    pm, pn = default_matmul_split(m, n, k, cfg.replace(cores=rest))[:2] if rest > 1 else (1, 1)
+    if nd in held:
+        pm, pn = min(rest, m), 1
+    row_split = next((d for d in rows if sizes[d] >= pm and d not in held), None)
+    if row_split is not None and pm > 1:
+        split[row_split] = (min(pm, sizes[row_split]), None)
+    n_chunk = None
+    if pn > 1:
+        n_chunk = _ceil_div(_ceil_div(n, pn), se) * se
+        pn = -(-n // n_chunk)
+        if pn > 1:
+            split[nd] = (pn, n_chunk)
+        else:
+            n_chunk = None
+    em = m
+    if row_split is not None and row_split in split:
+        em = m // sizes[row_split] * -(-sizes[row_split] // split[row_split][0])
+    en = n_chunk or n
+    tm, tn, tk = default_matmul_tiles(em, en, k, dtype, True, cfg)
+    tiles = {d: sizes[d] for d in sizes}
+    for d in batch:
+        tiles[d] = 1
+    if rows:
+        r0 = row_split or rows[0]
+        inner = math.prod(sizes[d] for d in rows[rows.index(r0) + 1 :])
+        for d in rows[: rows.index(r0)]:
+            tiles[d] = 1
+        tiles[r0] = max(1, tm // max(inner, 1))
+    tiles[nd] = sizes[nd] if nd in held else tn
+    inner_k = kd[-1]
+    tiles[inner_k] = min(sizes[inner_k], tk)
+    for d in kd[:-1]:
+        tiles[d] = 1 if tk < sizes[inner_k] else max(1, tk // sizes[inner_k])
+    others = [d for d in sorted(sizes, key=_dkey) if d not in (*batch, *rows, nd, *kd)]
+    loops = tuple(batch + rows + [nd] + [d for d in others if d not in reduced] + kd)
+    mm_bufs = {mm.a, mm.b}
+    mm_steps = {
+        i for i, s in enumerate(steps) if s is mm or (isinstance(s, Load) and s.buffer in mm_bufs)
+    }
+    return split, tiles, loops, mm_steps
+
+
+def _stream_rows(steps, buffers, reduced) -> set[int] | None:
+    """The steps that work on row data (buffers with a reduced dim) when the
+    rows can be streamed: no row step uses a reduction's result (softmax and
+    layer norm need the whole row twice).  None when they cannot."""
+    derived: set[str] = set()
+    partial: set[str] = set()
+    row: set[int] = set()
+    for i, s in enumerate(steps):
+        touched = [*_reads(s), *([_writes(s)] if _writes(s) else [])]
+        on_row = any(set(buffers[b].dims) & reduced for b in touched) or (
+            isinstance(s, Load | Store) and set(s.index) & reduced
+        )
+        if on_row:
+            # a reduction of a partial reduction (several reduced dims) may stream
+            if any(
+                r in derived and not (isinstance(s, Reduce) and r in partial) for r in _reads(s)
+            ):
+                return None
+            row.add(i)
+        if isinstance(s, Reduce) or any(r in derived for r in _reads(s)):
+            if _writes(s):
+                derived.add(_writes(s))
+                if isinstance(s, Reduce) and set(buffers[s.out].dims) & reduced:
+                    partial.add(s.out)
+    return row
+
+
+def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -> Program:
+    """Core split and tiles for the fused kernel, checked against the LX."""
+    names = sorted(sizes, key=_dkey)
+    loops = tuple(n for n in names if n not in reduced)
+    # stick dims of stored operands: split over cores in whole sticks
+    stick_of: dict[str, int] = {}
+    for s in steps:
+        if isinstance(s, Store | Load):
+            lay = next(u.layout for u in ops if u.name == s.operand)
+            d = s.index[lay.stick_dim] if lay.host_size else None
+            if d is not None:
+                stick_of[d] = max(stick_of.get(d, 1), stick_elems(lay.dtype))
+    split: dict[str, tuple[int, int | None]] = {}
+    remaining = cfg.cores
+    cand = []
+    for d in loops:
+        se = stick_of.get(d)
+        work = -(-sizes[d] // se) if se else sizes[d]
+        cand.append((-work, se is not None, d))
+    for _, _, d in sorted(cand):
+        if remaining < 2:
+            break
+        se = stick_of.get(d)
+        if se:
+            sticks = -(-sizes[d] // se)
+            n = min(remaining, sticks)
+            if n < 2:
+                continue
+            chunk = -(-sticks // n) * se
+            n = -(-sizes[d] // chunk)
+            split[d] = (n, chunk if n > 1 else None)
+        else:
+            n = min(remaining, sizes[d])
+            if n < 2:
+                continue
+            split[d] = (n, None)
+        remaining //= n
+    ext = {
+        d: (split[d][1] or -(-sizes[d] // split[d][0])) if d in split else sizes[d] for d in names
+    }
+    tiles = {d: ext[d] for d in names}
+    mm_steps: set[int] = set()
+    mm = next((s for s in steps if isinstance(s, Matmul)), None)
+    if mm is not None:
+        planned = _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg)
+        if planned is not None:
+            split, tiles, loops, mm_steps = planned
+
+    def build() -> Program:
+        dims = tuple(
+            Dim(
+                d,
+                sizes[d],
+                *(split.get(d, (1, None))[:1]),
+                tile=tiles[d] if d in loops else None,
+                chunk=split.get(d, (1, None))[1],
+            )
+            for d in names
+        )
+        st = []
+        # the k loop of a matmul is innermost: only its loads and the PE-array
+        # step are inside it, the epilogue runs once per output tile
+        outer = tuple(d for d in loops if d not in reduced)
+        for i, s in enumerate(steps):
+            lp = loops if i in mm_steps else outer
+            if isinstance(s, Load):
+                used = [d for d in s.index if d is not None]
+                last = max((lp.index(d) for d in used if d in lp), default=-1)
+                st.append(replace(s, loops=lp[: last + 1]))
+            else:
+                st.append(replace(s, loops=lp))
+        return Program(
+            name=name,
+            dims=dims,
+            operands=tuple(
+                Operand(u.name, u.layout, "input" if u.role == "iota" else u.role) for u in ops
+            ),
+            buffers=tuple(buffers.values()),
+            steps=tuple(st),
+            loop_order=loops,
+        )
+
+    budget = cfg.lx_bytes // 2
+    prog = build()
+    while sum(prog.lx_usage(cfg).values()) > budget:
+        shrunk = False
+        for d in loops:  # outermost first: rows before sticks
+            if d in reduced:
+                continue
+            se = stick_of.get(d)
+            if se and d == loops[-1]:
+                if tiles[d] > se:
+                    tiles[d] = max(se, (tiles[d] // 2) // se * se)
+                    shrunk = True
+                    break
+            elif tiles[d] > 1:
+                tiles[d] = max(1, tiles[d] // 2)
+                shrunk = True
+                break
+        if not shrunk:
+            break
+        prog = build()
+    if sum(prog.lx_usage(cfg).values()) > budget and mm is None and reduced:
+        streamed = _stream_rows(steps, buffers, reduced)
+        if streamed is not None:
+            # rows longer than the LX: walk the reduced dims in tiles too; a
+            # Reduce over a looped dim accumulates over the tiles
+            mm_steps = streamed
+            loops = (
+                tuple(d for d in loops if d not in reduced)
+                + tuple(d for d in names if d in reduced)[:1]
+            )
+            for d in reversed(loops):
+                if d not in reduced:
+                    break
+                se = stick_of.get(d, 1)
+                while sum(build().lx_usage(cfg).values()) > budget and tiles[d] > se:
+                    tiles[d] = max(se, (tiles[d] // 2) // se * se)
+            prog = build()
+    try:
+        prog.validate(cfg)
+    except ProgramError as e:
+        raise Unsupported(str(e)) from None
+    return prog

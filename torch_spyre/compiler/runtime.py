@@ -1,0 +1,86 @@
+"""What compiled code runs: kernel programs from the generated wrapper, launched on the card.
+
+The wrapper module Inductor writes for a spyre graph holds each fused kernel
+as the JSON of its kernel program (so the FX graph cache replays the very
+program that was planned) and calls ``CompiledKernel.run`` with the graph's
+tensors.  Launch goes through ``torch_spyre.ops.launch.Kernel``, like eager
+ops: the modelled report is computed once per card, a warm launch binds
+device memory and runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from torch_spyre.ops import launch, operands
+from torch_spyre.runtime import dispatch_stats
+from torch_spyre.sim import Program
+
+
+class CompiledKernel:
+    """One planned kernel program and how the wrapper's tensors bind to it."""
+
+    def __init__(
+        self, program_json: str, bindings: list[tuple[str, str, tuple[int, ...], int, int]]
+    ):
+        self.program = Program.from_json(program_json)
+        #: (operand name, role, shape of the wrapper tensor bound to it, first
+        #: device element and device elements of the operand's view)
+        self.bindings = bindings
+        self._kernel = launch.Kernel(self.program)
+        self._label = "compiled." + self.program.name
+        self._iotas: dict[tuple[int, int | None], torch.Tensor] = {}
+        if os.environ.get("TORCH_SPYRE_DEBUG"):
+            print(self.program.dump())
+
+    def _iota(self, n: int, device: torch.device) -> torch.Tensor:
+        """A constant index table on the card (copied once per kernel and card)."""
+        key = (n, device.index)
+        t = self._iotas.get(key)
+        if t is None:
+            t = self._iotas[key] = torch.arange(n, dtype=torch.float32).to(device)
+        return t
+
+    def run(self, *tensors: torch.Tensor) -> None:
+        device = tensors[0].device
+        bind: dict[str, torch.Tensor] = {}
+        copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        it = iter(tensors)
+        for name, role, shape, start, numel in self.bindings:
+            if role == "iota":
+                bind[name] = operands.device_memory(self._iota(shape[0], device))
+                continue
+            t = next(it)
+            if tuple(t.shape) != tuple(shape):
+                raise RuntimeError(
+                    f"spyre compiled kernel {self.program.name!r}: operand {name!r} expected "
+                    f"shape {tuple(shape)}, got {tuple(t.shape)} (recompile with dynamic=False)"
+                )
+            if role == "input":
+                mem = operands.memory(t)
+                if start or mem.numel() != numel:  # a slice: one block of its sticks
+                    mem = mem.reshape(-1)[start : start + numel]
+                bind[name] = mem
+            elif operands.is_whole_default(t):
+                bind[name] = operands.device_memory(t)
+            else:  # an output Inductor allocated with another stride: store, then re-lay
+                tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                bind[name] = operands.device_memory(tmp)
+                copy_back.append((t, tmp))
+        dispatch_stats.record("kernel", self._label)
+        self._kernel.launch_memory(device.index or 0, bind)
+        for t, tmp in copy_back:
+            t.copy_(tmp)
+
+
+def kernel_from_json(program_json: str, bindings: Any) -> CompiledKernel:
+    return CompiledKernel(program_json, [(n, r, tuple(s), o, k) for n, r, s, o, k in bindings])
+
+
+def out_via_eager(op, out: torch.Tensor, *args, **kwargs) -> None:
+    """An extern kernel the planner did not take: its eager device kernel, then
+    a device copy into the buffer Inductor allocated."""
+    out.copy_(op(*args, **kwargs).view(out.shape))

@@ -1,0 +1,656 @@
+"""The Inductor scheduling and wrapper codegen for the ``spyre`` device.
+
+``SpyreScheduling`` decides fusion (pointwise chains; reductions with their
+producers and consumers) and turns each fused group into one kernel program
+(``lowering.ProgramBuilder``).  ``SpyreWrapperCodegen`` is Inductor's Python
+wrapper with our runtime imported; each kernel is defined in the wrapper as
+the JSON of its program and launched with the graph's tensors.  Matmuls
+(``mm``/``addmm``/``bmm``) are Inductor extern kernels: they call the eager
+spyre kernels (PE-array programs with their bias epilogue) on device memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from textwrap import dedent
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor.codegen.common import DeviceOpOverrides
+from torch._inductor.codegen.wrapper import PythonWrapperCodegen, WrapperLine
+from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
+from torch._inductor.utils import sympy_product
+from torch._inductor.virtualized import V
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+from torch_spyre.compiler import lowering
+from torch_spyre.runtime import cards
+
+log = logging.getLogger("torch_spyre.compiler")
+
+#: every plan made in this process, newest last (for tests and debugging)
+PLANS: list[lowering.Plan] = []
+
+
+def _remember(plan: lowering.Plan) -> None:
+    PLANS.append(plan)
+    if len(PLANS) > 256:
+        del PLANS[:128]
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("TORCH_SPYRE_DEBUG", "") not in ("", "0")
+
+
+_warned_dynamic: set[tuple[int, str]] = set()
+
+
+def _static(values, what: str) -> list[int]:
+    """Sizes as ints.  A symbolic size (automatic dynamic shapes) is specialised
+    to its current value with a guard, so Dynamo recompiles for another size:
+    kernel programs are planned for static shapes."""
+    out = []
+    for v in values:
+        if isinstance(v, int) or getattr(v, "is_Integer", False):
+            out.append(int(v))
+            continue
+        n = V.graph.sizevars.guard_int(v)
+        key = (id(V.graph), str(v))  # one line per size and graph
+        if key not in _warned_dynamic:
+            _warned_dynamic.add(key)
+            log.warning(
+                "spyre: specialising dynamic size %s = %d of %s (kernel programs are planned "
+                "for static shapes; another size recompiles)",
+                v,
+                n,
+                what,
+            )
+        out.append(n)
+    return out
+
+
+def _simplify(expr, ranges=None):
+    """An index expression with its size symbols specialised (and guarded), and
+    divisions of split variables resolved with their ranges."""
+    expr = V.graph.sizevars.simplify(expr)
+    free = [x for x in getattr(expr, "free_symbols", ()) if x.name.startswith(("s", "u"))]
+    if free:
+        vals = _static(free, "an index")
+        expr = expr.subs(dict(zip(free, vals)))
+    if ranges and expr.has(FloorDiv, ModularIndexing):
+        vr = {x: ranges[x.name] for x in expr.free_symbols if x.name in ranges}
+        expr = V.graph.sizevars.simplify_with_ranges(expr, vr)
+    return expr
+
+
+class _Opaque:
+    """A value in the scanning pass (``_find_splits``): nothing is computed."""
+
+    def __getitem__(self, i):
+        return self
+
+    def __iter__(self):
+        return iter((self, self, self))
+
+
+class _IndexScan:
+    """An ops handler that only records the index expressions a node uses."""
+
+    def __init__(self) -> None:
+        self.indexes: list = []
+
+    def load(self, name, index):
+        self.indexes.append(index)
+        return _Opaque()
+
+    def store(self, name, index, value, mode=None):
+        self.indexes.append(index)
+
+    def store_reduction(self, name, index, value):
+        self.indexes.append(index)
+
+    def index_expr(self, expr, dtype):
+        self.indexes.append(expr)
+        return _Opaque()
+
+    def masked(self, mask, body, other):
+        return body()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *a, **k: _Opaque()
+
+
+def _find_splits(node, pw, red) -> dict[int, int]:
+    """Iteration variables a node's indexes divide (``v // d``, ``v % d``: a
+    reshape or a repeat_interleave): position -> d, so the variable becomes two
+    (v = d * hi + lo) and every index stays affine."""
+    sizes = list(pw) + list(red)
+    syms = [sympy.Symbol(f"q{i}", integer=True, nonnegative=True) for i in range(len(sizes))]
+    scan = _IndexScan()
+    store = node.node.get_store_function()
+    try:
+        with V.set_ops_handler(scan):
+            if red:
+                store(syms[: len(pw)], syms[len(pw) :])
+            else:
+                store(syms)
+    except Exception:  # the planning pass reports what it cannot do
+        return {}
+    found: dict[int, set[int]] = {}
+    for e in scan.indexes:
+        e = sympy.sympify(e)
+        for atom in e.atoms(FloorDiv, ModularIndexing):
+            base, div = atom.args[0], atom.args[1]
+            if base not in syms or not div.is_Integer:
+                continue
+            i = syms.index(base)
+            d = int(div)
+            if isinstance(atom, ModularIndexing) and d == 1:
+                d = int(atom.args[2])
+            if 1 < d < sizes[i] and sizes[i] % d == 0:
+                found.setdefault(i, set()).add(d)
+    return {i: ds.pop() for i, ds in found.items() if len(ds) == 1}
+
+
+def _node_vars(b: lowering.ProgramBuilder, prefix: str, sizes, splits, first: int) -> list:
+    out = []
+    for i, size in enumerate(sizes):
+        d = splits.get(first + i)
+        if d is None:
+            out.extend(b.new_vars(prefix, [size]))
+        else:
+            hi, lo = b.new_vars(prefix, [size // d, d])
+            out.append(hi * d + lo)
+    return out
+
+
+def _buffer_info(name: str):
+    buf = V.graph.get_buffer(name)
+    if buf is None:
+        raise KeyError(name)
+    lay = buf.get_layout()
+    size = tuple(_static(lay.size, name))
+    stride = tuple(_static(lay.stride, name))
+    offset = _static([lay.offset], name)[0]
+    return size, stride, offset, lay.dtype
+
+
+def _sizes(node: BaseSchedulerNode):
+    data = node.node.data
+    pw = _static(data.get_pointwise_size(), node.get_name())
+    red = (
+        _static(data.get_reduction_size(), node.get_name())
+        if isinstance(data, ir.Reduction)
+        else []
+    )
+    return pw, red
+
+
+class SpyreScheduling(BaseScheduling):
+    def group_fn(self, sizes):
+        return tuple(V.graph.sizevars.simplify(sympy_product(s)) for s in sizes)
+
+    # ------------------------------------------------------------- fusion
+    @staticmethod
+    def _plain(node: BaseSchedulerNode) -> bool:
+        return not (node.is_extern() or node.is_template() or node.is_foreach()) and all(
+            isinstance(n.node, ir.ComputedBuffer) for n in node.get_nodes()
+        )
+
+    @staticmethod
+    def _total(node: BaseSchedulerNode) -> sympy.Expr:
+        numel, rnumel = node.group[1]
+        return numel * rnumel
+
+    def can_fuse_vertical(self, node1, node2) -> bool:
+        if not (self._plain(node1) and self._plain(node2)):
+            return False
+        # a consumer over the same elements, or over the rows a reduction made
+        t1, t2 = self._total(node1), self._total(node2)
+        n1 = node1.group[1][0]
+        return bool(t1 == t2 or t2 == n1 or node2.group[1][0] == n1)
+
+    def can_fuse_horizontal(self, node1, node2) -> bool:
+        if not (self._plain(node1) and self._plain(node2)):
+            return False
+        if node1.group[1] != node2.group[1]:
+            return False
+        # siblings that read a common buffer (e.g. the three outputs of a welford)
+        r1 = {d.name for d in node1.read_writes.reads}
+        r2 = {d.name for d in node2.read_writes.reads}
+        return bool(r1 & r2)
+
+    # ------------------------------------------------------------ codegen
+    def codegen_node(self, node) -> None:
+        nodes = list(node.get_nodes())
+        plans = None
+        mm = self._absorbable_matmul(nodes)
+        if mm is not None:
+            try:
+                fused = self._plan(nodes, mm, commit=False)
+                apart = self._plan(nodes)
+            except lowering.Unsupported as e:
+                log.info("spyre: matmul epilogue not fused: %s", e)
+            else:
+                # fuse when the cost model says so (an epilogue that reduces
+                # over n keeps n whole per core, which can cost more than it saves)
+                cfg_card = cards.card(0)
+                t_fused = cfg_card.estimate(fused.program).time_s
+                t_apart = (
+                    cfg_card.estimate(mm.plan.program).time_s
+                    + cfg_card.estimate(apart.program).time_s
+                )
+                if t_fused <= t_apart:
+                    plans = [self._plan(nodes, mm)]
+                else:
+                    log.info(
+                        "spyre: %s epilogue not fused (%.1f us fused vs %.1f us apart)",
+                        mm.node.get_name(),
+                        t_fused * 1e6,
+                        t_apart * 1e6,
+                    )
+                    plans = [apart]
+        try:
+            plans = plans or [self._plan(nodes)]
+        except lowering.Unsupported as first:
+            log.info(
+                "spyre: fused group of %d nodes not planned as one kernel: %s", len(nodes), first
+            )
+            plans = []
+            for n in nodes:
+                try:
+                    plans.append(self._plan([n]))
+                except lowering.Unsupported as e:
+                    origins = sorted(str(o) for o in (n.node.origins or ()))
+                    raise lowering.Unsupported(
+                        f"spyre compiler: cannot plan {n.get_name()} (from {', '.join(origins)}) "
+                        f"as a kernel program: {e}. Run this op eagerly (outside the compiled "
+                        "region) or file an issue."
+                    ) from None
+        for p in plans:
+            V.graph.removed_buffers |= p.removed
+        for n in nodes:
+            n.mark_run()
+        for p in plans:
+            self._emit(p)
+        self.free_buffers_in_scheduler()
+
+    def _absorbable_matmul(self, nodes):
+        """The pending matmul whose output only this group reads, if it was the
+        last kernel emitted: its epilogue (bias, activation, residual) is fused."""
+        wrapper = V.graph.wrapper_code
+        pending = getattr(wrapper, "_spyre_pending", None)
+        if not pending:
+            return None
+        group = {n.get_name() for n in nodes}
+        reads = {d.name for n in nodes for d in n.read_writes.reads}
+        for name, mm in list(pending.items()):
+            if name not in reads or mm.absorbed:
+                continue
+            if any(_is_kernel_line(x) for x in wrapper.lines[mm.position + 1 :]):
+                continue
+            buf = self.scheduler.name_to_buf.get(name)
+            if buf is None:
+                continue
+            # every reader is in this group (a graph output is stored as well)
+            if all(
+                type(u.node).__name__ == "OutputNode"
+                or (isinstance(u.node, BaseSchedulerNode) and u.node.get_name() in group)
+                for u in buf.users
+            ):
+                return mm
+        return None
+
+    def _plan(self, nodes, mm=None, commit: bool = True) -> lowering.Plan:
+        b = lowering.ProgramBuilder(_buffer_info, cards.config(0), _simplify)
+        if mm is not None:
+            _matmul_steps(b, mm.node)
+        group = {n.get_name() for n in nodes}
+        keep = set()
+        graph_outs = set(V.graph.get_output_names())
+        for n in nodes:
+            for buf in n.get_outputs():
+                name = buf.get_name()
+                users = [u for u in buf.users if u.node is not None]
+                outside = [
+                    u
+                    for u in buf.users
+                    if not isinstance(u.node, BaseSchedulerNode) or u.node.get_name() not in group
+                ]
+                if outside or name in graph_outs or not users:
+                    keep.add(name)
+        for n in nodes:
+            pw, red = _sizes(n)
+            splits = _find_splits(n, pw, red)
+            vars_ = _node_vars(b, "x", pw, splits, 0)
+            rvars = _node_vars(b, "r", red, splits, len(pw))
+            b.node_rvars = sorted({x.name for v in rvars for x in sympy.sympify(v).free_symbols})
+            store = n.node.get_store_function()
+            with V.set_ops_handler(b):
+                if red:
+                    store(vars_, rvars)
+                else:
+                    store(vars_)
+        kname = "_".join(n.get_name() for n in nodes)
+        if mm is not None:
+            kname = mm.node.get_name() + "_" + kname
+        origin = sorted(
+            {
+                str(o.target).split(".")[-2] if "." in str(o.target) else str(o.target)
+                for n in nodes
+                for o in (n.node.origins or ())
+                if o.op == "call_function"
+            }
+        )
+        label = "fused_" + "_".join(origin[:4]) if origin else "fused"
+        if mm is not None:
+            label = "fused_mm_" + "_".join(origin[:3])
+            if mm.node.get_name() in graph_outs:
+                keep.add(mm.node.get_name())
+        plan = b.finish(f"{label}_{kname}", keep, allow_lx=True)
+        if mm is not None and commit:
+            mm.absorbed = True
+            for u in plan.operands:
+                if u.buffer in mm.inputs:
+                    u.buffer = f"{mm.var}[{mm.inputs.index(u.buffer)}]"
+            plan.after = f"del {mm.var}"
+        return plan
+
+    def _emit(self, plan: lowering.Plan) -> None:
+        _remember(plan)
+        wrapper = V.graph.wrapper_code
+        kname = _define(wrapper, plan)
+        args = ", ".join(u.buffer for u in plan.operands if u.role != "iota")
+        wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
+        if plan.after:
+            wrapper.writeline(plan.after)
+        return kname
+
+    def codegen_sync(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def ready_to_flush(self) -> bool:
+        return False
+
+    def codegen_template(self, template_node, epilogue_nodes, prologue_nodes):
+        raise lowering.Unsupported("spyre has no Inductor templates yet")
+
+    def benchmark_fused_nodes(self, nodes):
+        raise NotImplementedError
+
+
+def _define(wrapper, plan: lowering.Plan) -> str:
+    """Define the kernel in the wrapper module (once per program); its name."""
+    text = plan.program.to_json()
+    bindings = [
+        [u.name, u.role, list(u.shape), u.start, u.layout.device_numel] for u in plan.operands
+    ]
+    body = f"spyre_rt.kernel_from_json({text!r}, {json.dumps(bindings)})"
+    kname = "spyre_" + hashlib.sha256(body.encode()).hexdigest()[:12]
+    if kname not in getattr(wrapper, "_spyre_defined", set()):
+        wrapper._spyre_defined = getattr(wrapper, "_spyre_defined", set()) | {kname}
+        wrapper.header.writeline(f"{kname} = {body}")
+        if debug_enabled():
+            usage = plan.program.lx_usage(cards.config(0))
+            print(f"[spyre] {kname}: {plan.program.name}, LX {sum(usage.values())} B per core")
+            print(plan.program.dump())
+    return kname
+
+
+_MATMULS = ("extern_kernels.mm", "extern_kernels.addmm", "extern_kernels.bmm")
+
+
+_QUIET_LINES = {
+    "FreeLine",
+    "FreeIfNotReusedLine",
+    "ReuseLine",
+    "AllocateLine",
+    "NullLine",
+    "LineContext",
+    "AssertSizeStrideLine",
+    "CommentLine",
+    "EnterDeviceContextManagerLine",
+    "ExitDeviceContextManagerLine",
+}
+
+
+def _is_kernel_line(line) -> bool:
+    """A wrapper line that runs something (not an allocation, free or comment)."""
+    if type(line).__name__ in _QUIET_LINES:
+        return False
+    if isinstance(line, str):
+        s = line.strip()
+        return bool(s) and not s.startswith(("#", "del "))
+    return True
+
+
+def _mixed_radix(pairs) -> sympy.Expr:
+    """sum(v_i * prod(sizes after i)) over (variable, size) pairs, outer to inner."""
+    expr, acc = sympy.Integer(0), 1
+    for v, size in reversed(pairs):
+        expr = expr + v * acc
+        acc *= size
+    return expr
+
+
+def _groups(inp, vsz) -> list[list[int]]:
+    """Per dim of a matmul input view, the dims of the buffer under it that it
+    covers (a reshape of a whole contiguous buffer is read in its own shape, so
+    nothing is re-laid); a plain view covers one dim each."""
+    plain = [[s] for s in vsz]
+    usz, ustr, uoff, _ = _buffer_info(inp.get_name())
+    lay = inp.get_layout()
+    if (
+        _static(lay.stride, inp.get_name()) != _contiguous(vsz)
+        or _static([lay.offset], inp.get_name()) != [0]
+        or list(ustr) != _contiguous(usz)
+        or uoff
+        or math.prod(usz) != math.prod(vsz)
+    ):
+        return plain
+    rest = [u for u in usz if u != 1]
+    out = []
+    for v in vsz:
+        g, acc = [], 1
+        while acc < v and rest:
+            acc *= rest[0]
+            g.append(rest.pop(0))
+        if acc != v and v != 1:
+            return plain
+        out.append(g if v != 1 else [1])
+    return out
+
+
+def _finer(f1: list[int], f2: list[int]) -> list[int]:
+    """The finer of two factorisations of one dim (each piece of the coarser one
+    a product of consecutive pieces of the finer one)."""
+    fine, coarse = (f1, f2) if len(f1) >= len(f2) else (f2, f1)
+    rest = list(fine)
+    for c in coarse:
+        acc = 1
+        while acc < c and rest:
+            acc *= rest.pop(0)
+        if acc != c:
+            return f1
+    return fine
+
+
+def _dim_expr(b: lowering.ProgramBuilder, factors: list[int]) -> sympy.Expr:
+    """One variable per factor, combined outer to inner."""
+    vs = b.new_vars("x", factors)
+    return _mixed_radix(list(zip(vs, factors)))
+
+
+def _contiguous(size) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(size):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def _view_index(b: lowering.ProgramBuilder, inp, vars_) -> tuple[str, sympy.Expr]:
+    """(underlying buffer name, index expression) of an extern kernel input view."""
+    lay = inp.get_layout()
+    strides = _static(lay.stride, inp.get_name())
+    offset = _static([lay.offset], inp.get_name())[0]
+    expr = sum((v * st for v, st in zip(vars_, strides)), sympy.Integer(offset))
+    return inp.get_name(), expr
+
+
+def _matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
+    """Steps of an mm/addmm/bmm extern node: loads, PE-array matmul, bias epilogue,
+    and the (possibly later dropped) store of its output.  Returns the input
+    buffer names in load order."""
+    kind = node.python_kernel_name
+    ins = list(node.inputs)
+    bias = ins.pop(0) if kind.endswith("addmm") else None
+    a, w = ins
+    asz = _static(a.get_size(), node.get_name())
+    wsz = _static(w.get_size(), node.get_name())
+    ag, wg = _groups(a, asz), _groups(w, wsz)
+    roles = [_finer(ag[-1], wg[-2])]  # k
+    if kind.endswith("bmm"):
+        bt, m, k, n = (_dim_expr(b, f) for f in (_finer(ag[0], wg[0]), ag[1], roles[0], wg[2]))
+        av, wv, outv = [bt, m, k], [bt, k, n], [bt, m, n]
+    else:
+        m, k, n = (_dim_expr(b, f) for f in (ag[0], roles[0], wg[1]))
+        av, wv, outv = [m, k], [k, n], [m, n]
+    kvars = sorted(v.name for v in sympy.sympify(k).free_symbols)
+    if not kvars:
+        raise lowering.Unsupported("a matmul with k = 1")
+    names = []
+    aval = b.load(*_view_index(b, a, av), share=False)
+    names.append(a.get_name())
+    wval = b.load(*_view_index(b, w, wv), share=False)
+    names.append(w.get_name())
+    acc = b.matmul(aval, wval, kvars)
+    alpha = float(node.kwargs.get("alpha", 1))
+    beta = float(node.kwargs.get("beta", 1))
+    if alpha != 1.0:
+        acc = b.mul(acc, lowering.Scal(alpha, torch.float32))
+    if bias is not None:
+        bsz = _static(bias.get_size(), node.get_name())
+        bvars = outv[len(outv) - len(bsz) :]
+        bvars = [v if s > 1 else sympy.Integer(0) for v, s in zip(bvars, bsz)]
+        bval = b.load(*_view_index(b, bias, bvars))
+        names.append(bias.get_name())
+        if beta != 1.0:
+            bval = b.mul(bval, lowering.Scal(beta, torch.float32))
+        acc = b.add(acc, bval)
+    out = node.get_layout()
+    ostr = _static(out.stride, node.get_name())
+    expr = sum((v * st for v, st in zip(outv, ostr)), sympy.Integer(_static([out.offset], "")[0]))
+    b.store(node.get_name(), expr, acc)
+    return names
+
+
+class _PendingMatmul:
+    def __init__(self, node, var, inputs, position, line):
+        self.node, self.var, self.inputs, self.position = node, var, inputs, position
+        self.line = line
+        self.absorbed = False
+
+
+class _MatmulLine(WrapperLine):
+    """The launch of a standalone matmul kernel, dropped when a consumer fused it."""
+
+    def __init__(self, pending: _PendingMatmul, call: str):
+        self.pending, self.call = pending, call
+
+    def codegen(self, code) -> None:
+        if not self.pending.absorbed:
+            code.writeline(self.call)
+            code.writeline(f"del {self.pending.var}")
+
+
+class SpyreWrapperCodegen(PythonWrapperCodegen):
+    @staticmethod
+    def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
+        if is_subgraph:
+            from torch._inductor.codegen.wrapper import SubgraphPythonWrapperCodegen
+
+            return SubgraphPythonWrapperCodegen(subgraph_name, parent_wrapper, partition_signatures)
+        return SpyreWrapperCodegen()
+
+    def generate_extern_kernel_out(self, node) -> None:
+        if getattr(node, "python_kernel_name", None) in _MATMULS:
+            try:
+                b = lowering.ProgramBuilder(_buffer_info, cards.config(0), _simplify)
+                names = _matmul_steps(b, node)
+                plan = b.finish(
+                    f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",
+                    {node.get_name()},
+                    allow_lx=True,
+                )
+            except lowering.Unsupported as e:
+                # the eager matmul kernel (functional overload: PE-array program),
+                # then a device copy into Inductor's output buffer
+                log.info("spyre: matmul %s left to the eager kernel: %s", node.get_name(), e)
+                node.codegen_comment(self)
+                op = node.python_kernel_name.split(".")[-1]
+                args = [*node.codegen_args(), *node.codegen_kwargs(skip_out=True)]
+                self.writeline(
+                    f"spyre_rt.out_via_eager(torch.ops.aten.{op}.default, "
+                    f"{node.codegen_reference()}, {', '.join(args)})"
+                )
+                return
+            else:
+                _remember(plan)
+                node.codegen_comment(self)
+                var = f"_spyre_mm_{node.get_name()}"
+                self.writeline(f"{var} = ({', '.join(names)},)")
+                kname = _define(self, plan)
+                args = ", ".join(
+                    f"{var}[{names.index(u.buffer)}]" if u.buffer in names else u.buffer
+                    for u in plan.operands
+                    if u.role != "iota"
+                )
+                pending = _PendingMatmul(node, var, names, len(self.lines), None)
+                pending.plan = plan
+                line = _MatmulLine(pending, f"{kname}.run({args})  # {plan.program.name}")
+                pending.line = line
+                self.writeline(line)
+                self._spyre_pending = getattr(self, "_spyre_pending", {})
+                self._spyre_pending[node.get_name()] = pending
+                return
+        super().generate_extern_kernel_out(node)
+
+    def write_header(self) -> None:
+        super().write_header()
+        self.header.writeline("from torch_spyre.compiler import runtime as spyre_rt")
+
+
+class SpyreDeviceOpOverrides(DeviceOpOverrides):
+    def import_get_raw_stream_as(self, name: str) -> str:
+        return dedent(
+            f"""
+            def {name}(_):
+                return 0
+            """
+        )
+
+    def set_device(self, device_idx: int) -> str:
+        return f"torch.spyre.set_device({device_idx})"
+
+    def synchronize(self) -> str:
+        return "torch.spyre.synchronize()"
+
+    def device_guard(self, device_idx: int) -> str:
+        return f"torch.spyre.device({device_idx})"
+
+    def current_stream(self) -> str:
+        return "torch.spyre.current_stream()"
+
+    def cpp_kernel_type(self) -> str:
+        return "void*"
