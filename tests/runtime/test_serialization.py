@@ -66,3 +66,16 @@ def test_module_to_spyre_and_back():
     torch.testing.assert_close(out.cpu(), ref)
     m.to("cpu")
     torch.testing.assert_close(m(x), ref)
+
+
+def test_module_to_keeps_parameters_and_tied_weights():
+    m = torch.nn.Module()
+    m.emb = torch.nn.Embedding(10, 4)
+    m.head = torch.nn.Linear(4, 10, bias=False)
+    m.head.weight = m.emb.weight
+    param = m.emb.weight
+    m.to("spyre")
+    assert m.emb.weight is param and m.head.weight is m.emb.weight
+    assert param.device.type == "spyre"
+    m.half().to("cpu")
+    assert m.head.weight is m.emb.weight and param.dtype == torch.float16

@@ -405,7 +405,22 @@ const at::Tensor& resize_metadata_(const at::Tensor& self, c10::IntArrayRef size
   return self;
 }
 
+// Module.to("spyre") swaps each Parameter's data in place (param.data = new)
+// when the two tensor types are shallow-copy compatible; PyTorch's default
+// says no for PrivateUse1, which would make new Parameter objects and untie
+// shared weights (embeddings tied to the LM head).  Dense CPU and spyre
+// tensors are both plain TensorImpls.
+static bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto plain = [](const at::Tensor& t) {
+    auto d = t.device().type();
+    return t.layout() == at::kStrided &&
+           (d == c10::DeviceType::CPU || d == c10::DeviceType::PrivateUse1);
+  };
+  return plain(self) && plain(from);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", as_strided);

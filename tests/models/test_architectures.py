@@ -1,0 +1,198 @@
+"""Random-weight tiny models of each adapted architecture: spyre matches the CPU.
+
+Equivalence against the CPU does not need trained weights (shared/models.md),
+so each architecture is built from its transformers config class with small
+sizes.  The forward must not use the host fallback at all.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import torch_spyre  # noqa: E402
+import torch_spyre.models as models  # noqa: E402
+from torch_spyre import validation  # noqa: E402
+from torch_spyre.models.patches import TabulatedRotaryEmbedding  # noqa: E402
+from torch_spyre.testing import tolerances  # noqa: E402
+
+_DECODER = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+CAUSAL_LMS = {
+    "llama": lambda: transformers.LlamaConfig(**_DECODER),
+    "granite": lambda: transformers.GraniteConfig(
+        **_DECODER, embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**_DECODER, head_dim=16),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **_DECODER,
+        head_dim=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+
+ENCODERS = {
+    "bert": lambda: transformers.BertConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    ),
+    "mpnet": lambda: transformers.MPNetConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    ),
+}
+
+
+def _pair(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an adapted architecture must not warn
+        dev = models.prepare(copy.deepcopy(model))
+    return model, dev
+
+
+def _prompts(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 256, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("arch", sorted(CAUSAL_LMS))
+def test_causal_lm_matches_cpu(arch: str) -> None:
+    torch.manual_seed(0)
+    ref, dev = _pair(transformers.AutoModelForCausalLM.from_config(CAUSAL_LMS[arch]()))
+    assert any(isinstance(m, TabulatedRotaryEmbedding) for m in dev.modules())
+    report = validation.validate_models(
+        ref, dev, kind="causal-lm", inputs=_prompts(1), steps=8, name=f"tiny-{arch}"
+    )
+    assert report.fallback_counts == {}, report.fallback_counts
+    m = report.metrics
+    assert m["greedy_identical"] == 1.0, report.format()  # 8 greedy tokens, every prompt
+    assert m["top1"] == 1.0, report.format()
+    rtol, atol = tolerances(torch.float32).values()
+    assert m["max_logit_diff"] <= atol, report.format()
+    assert report.passed, report.format()
+
+
+@pytest.mark.parametrize("arch", sorted(CAUSAL_LMS))
+def test_causal_lm_logits_close(arch: str) -> None:
+    """One plain forward (no mask, no cache): logits within the fp32 tolerances."""
+    torch.manual_seed(0)
+    ref, dev = _pair(transformers.AutoModelForCausalLM.from_config(CAUSAL_LMS[arch]()))
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    torch_spyre.reset_fallback_counts()
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = dev(ids.to("spyre")).logits.cpu()
+    assert torch_spyre.fallback_counts() == {}
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+
+
+@pytest.mark.parametrize("arch", sorted(ENCODERS))
+def test_encoder_matches_cpu(arch: str) -> None:
+    torch.manual_seed(0)
+    ref, dev = _pair(transformers.AutoModel.from_config(ENCODERS[arch]()))
+    batch = _prompts(3)
+    batch["attention_mask"] = batch["attention_mask"].flip(-1)  # encoders pad on the right
+    report = validation.validate_models(ref, dev, kind="embedding", inputs=batch, name=arch)
+    assert report.fallback_counts == {}, report.fallback_counts
+    assert report.metrics["pooled_cosine"] >= 0.99999, report.format()
+    assert report.passed, report.format()
+
+
+def test_rotary_table_equals_stock_module() -> None:
+    """The host table gives exactly what the stock rotary module computes."""
+    cfg = CAUSAL_LMS["gemma3"]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    stock = copy.deepcopy(model.model.rotary_emb)
+    models.prepare(model, device="cpu")
+    table = model.model.rotary_emb
+    assert isinstance(table, TabulatedRotaryEmbedding)
+    pos = torch.tensor([[0, 5, 17, 127]])
+    x = torch.zeros(1)
+    for layer_type in ("sliding_attention", "full_attention"):
+        for a, b in zip(table(x, pos, layer_type), stock(x, pos, layer_type)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_unadapted_architecture_warns_once() -> None:
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
+    models._warned.discard("GPT2Config")
+    with pytest.warns(UserWarning, match="no adapter for GPT2Config"):
+        models.prepare(transformers.AutoModelForCausalLM.from_config(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.prepare(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def test_registry_covers_required_architectures() -> None:
+    for cls in (
+        transformers.LlamaConfig,
+        transformers.GraniteConfig,
+        transformers.Qwen3Config,
+        transformers.Gemma3TextConfig,
+        transformers.BertConfig,
+        transformers.MPNetConfig,
+    ):
+        assert models.adapter_for(cls()) is not None, cls.__name__
+
+
+def test_rotary_positions_past_the_table_raise() -> None:
+    model = transformers.AutoModelForCausalLM.from_config(CAUSAL_LMS["llama"]())
+    models.prepare(model, device="cpu", max_positions=16)
+    with pytest.raises(IndexError, match="max_positions"), torch.no_grad():
+        model(torch.zeros(1, 20, dtype=torch.long))
+
+
+def test_compile_is_off_by_default() -> None:
+    model = transformers.AutoModelForCausalLM.from_config(CAUSAL_LMS["llama"]())
+    forward = model.forward
+    models.prepare(model, device="cpu")
+    assert model.forward == forward  # the compiled path is opt-in until the compiler lands
+
+
+def test_lm_head_split_when_too_large_for_one_kernel() -> None:
+    """An lm_head over the kernel size limit runs as vocabulary chunks, same logits."""
+    from torch_spyre.models.patches import ChunkedLinear
+
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(CAUSAL_LMS["gemma3"]()).eval()
+    # 256 x 64 fp32 = 64 KiB; a 20 KiB limit gives 4 chunks of 64 rows
+    dev = models.prepare(copy.deepcopy(ref), max_linear_bytes=20 * 1024)
+    head = dev.get_output_embeddings()
+    assert isinstance(head, ChunkedLinear) and head.n_chunks == 4 and head.rows == 64
+    assert head.weight is dev.get_input_embeddings().weight  # still tied
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    torch_spyre.reset_fallback_counts()
+    with torch.no_grad():
+        got = dev(ids.to("spyre")).logits.cpu()
+        want = ref(ids).logits
+    assert torch_spyre.fallback_counts() == {}
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+    # the default limit (half a core's 256 MiB span) leaves small heads alone
+    assert not isinstance(models.prepare(copy.deepcopy(ref)).lm_head, ChunkedLinear)

@@ -1,0 +1,203 @@
+"""Stock transformers models on the spyre card: adapters applied at load time.
+
+    model = torch_spyre.models.load("smollm2")           # offline name, HF folder or path
+    model = torch_spyre.models.prepare(any_hf_model)     # patch + move to spyre
+
+An adapter is a small declarative list of patches (``torch_spyre.models.patches``)
+registered for a transformers config class.  An architecture without an
+adapter still runs (op by op, the plain eager path) and says so once.
+
+``compile=True`` wraps the forward in plain ``torch.compile`` (the spyre
+Inductor backend is reached through the device); it is **off by default** and
+not yet validated: the compiler is still being built (torch_spyre/compiler).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import transformers
+from torch import nn
+
+from torch_spyre.models import offline
+from torch_spyre.models.patches import Patch, chunk_lm_head, sdpa_attention, tabulate_rotary
+
+Kind = Literal["embedding", "causal-lm"]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What a model family needs on the card: a list of patches, each saying why."""
+
+    name: str
+    config_class: type
+    patches: tuple[Patch, ...] = ()
+    notes: str = ""
+
+
+@dataclass
+class PrepareOptions:
+    device: str | torch.device = "spyre"
+    #: None keeps the model's dtype (fp32 for the validation reference)
+    dtype: torch.dtype | None = None
+    #: experimental: torch.compile the forward (off until the compiler lands)
+    compile: bool = False
+    #: length of the host-precomputed rotary tables (capped by max_position_embeddings)
+    max_positions: int = 4096
+    #: largest output projection run as one kernel (None: half a core's address span)
+    max_linear_bytes: int | None = None
+    applied: list[str] = field(default_factory=list)
+
+
+_DECODER = (sdpa_attention, tabulate_rotary, chunk_lm_head)
+_DECODER_NOTES = (
+    "rotary cos/sin tabulated on the host once (no trig on the card); attention through SDPA; "
+    "an lm_head too large for one matmul kernel split over the vocabulary"
+)
+
+#: keyed by transformers config class; lookup walks the config's MRO
+REGISTRY: dict[type, Adapter] = {}
+
+
+def register(adapter: Adapter) -> Adapter:
+    REGISTRY[adapter.config_class] = adapter
+    return adapter
+
+
+for _adapter in (
+    Adapter("llama", transformers.LlamaConfig, _DECODER, _DECODER_NOTES),
+    Adapter("granite", transformers.GraniteConfig, _DECODER, _DECODER_NOTES),
+    Adapter("qwen3", transformers.Qwen3Config, _DECODER, _DECODER_NOTES),
+    # gemma3 has two rotary tables (local and global layers): both are tabulated
+    Adapter("gemma3_text", transformers.Gemma3TextConfig, _DECODER, _DECODER_NOTES),
+    # bert already defaults to SDPA and runs without fallback: the patch is a check
+    Adapter("bert", transformers.BertConfig, (sdpa_attention,), "attention through SDPA"),
+    # mpnet has no SDPA path (relative-position bias); its eager attention runs as
+    # matmul/softmax kernels with no fallback, so nothing needs patching
+    Adapter("mpnet", transformers.MPNetConfig, (), "runs unpatched (no fallback measured)"),
+):
+    register(_adapter)
+
+_warned: set[str] = set()
+
+
+def adapter_for(config: transformers.PretrainedConfig) -> Adapter | None:
+    for cls in type(config).__mro__:
+        if cls in REGISTRY:
+            return REGISTRY[cls]
+    return None
+
+
+def prepare(
+    model: nn.Module,
+    *,
+    device: str | torch.device = "spyre",
+    dtype: torch.dtype | None = None,
+    compile: bool = False,
+    max_positions: int = 4096,
+    max_linear_bytes: int | None = None,
+) -> nn.Module:
+    """Apply the model's adapter, then move it to ``device`` (in eval mode).
+
+    The descriptions of the patches applied are left in ``model.spyre_patches``.
+    """
+    import torch_spyre  # noqa: F401  (registers the device)
+
+    opts = PrepareOptions(device, dtype, compile, max_positions, max_linear_bytes)
+    cfg = model.config
+    adapter = adapter_for(cfg)
+    if adapter is None:
+        arch = type(cfg).__name__
+        if arch not in _warned:
+            _warned.add(arch)
+            warnings.warn(
+                f"torch_spyre.models: no adapter for {arch}; it runs on the plain eager path "
+                "(check torch_spyre.fallback_counts() for host fallbacks)",
+                stacklevel=2,
+            )
+    else:
+        # patches build host-side tables: apply them before the move
+        for patch in adapter.patches:
+            what = patch(model, opts)
+            if what:
+                opts.applied.append(f"{patch.__name__}: {what}")
+    model.eval()
+    if dtype is not None:
+        model.to(dtype)
+    model.to(device)  # keeps tied weights tied (one device copy)
+    model.spyre_patches = list(opts.applied)
+    if compile:
+        # later: the compiled path (one graph per shape bucket); not validated yet
+        model.forward = torch.compile(model.forward, dynamic=False)
+    return model
+
+
+def resolve(name_or_path: str | Path) -> tuple[str, Kind | None]:
+    """(folder for from_pretrained, kind or None when unknown) of a name or path."""
+    known = offline.lookup(str(name_or_path))
+    if known is not None:
+        return str(offline.folder(known.name)), known.kind
+    return str(name_or_path), None
+
+
+def kind_of(config: transformers.PretrainedConfig) -> Kind:
+    archs = getattr(config, "architectures", None) or []
+    return "causal-lm" if any("CausalLM" in a for a in archs) else "embedding"
+
+
+def load(
+    name_or_path: str | Path,
+    *,
+    device: str | torch.device = "spyre",
+    dtype: torch.dtype | None = None,
+    compile: bool = False,
+    kind: Kind | None = None,
+    **prepare_kwargs,
+) -> nn.Module:
+    """Load a model (offline name, local folder) on the host, adapt it, move it to ``device``.
+
+    ``kind``: "causal-lm" loads ``AutoModelForCausalLM``, "embedding" ``AutoModel``;
+    by default it is taken from the offline table or the config's architectures.
+    """
+    return prepare(
+        load_reference(name_or_path, kind=kind),
+        device=device,
+        dtype=dtype,
+        compile=compile,
+        **prepare_kwargs,
+    )
+
+
+def load_reference(name_or_path: str | Path, *, kind: Kind | None = None) -> nn.Module:
+    """The stock model on the CPU in fp32 (the validation reference), unpatched."""
+    folder, known_kind = resolve(name_or_path)
+    kind = kind or known_kind
+    if kind is None:
+        kind = kind_of(transformers.AutoConfig.from_pretrained(folder))
+    auto = transformers.AutoModelForCausalLM if kind == "causal-lm" else transformers.AutoModel
+    return auto.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def load_tokenizer(name_or_path: str | Path):
+    folder, _ = resolve(name_or_path)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+__all__ = [
+    "REGISTRY",
+    "Adapter",
+    "PrepareOptions",
+    "adapter_for",
+    "kind_of",
+    "load",
+    "load_reference",
+    "load_tokenizer",
+    "offline",
+    "prepare",
+    "register",
+    "resolve",
+]
