@@ -14,9 +14,9 @@ import warnings
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-
 import torch  # noqa: E402
+import transformers  # noqa: E402  (the models extra; CI installs it)
+from tiny import TINY_DECODER  # noqa: E402
 
 import torch_spyre  # noqa: E402
 import torch_spyre.models as models  # noqa: E402
@@ -24,15 +24,7 @@ from torch_spyre import validation  # noqa: E402
 from torch_spyre.models.patches import TabulatedRotaryEmbedding  # noqa: E402
 from torch_spyre.testing import tolerances  # noqa: E402
 
-_DECODER = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+_DECODER = TINY_DECODER
 
 CAUSAL_LMS = {
     "llama": lambda: transformers.LlamaConfig(**_DECODER),

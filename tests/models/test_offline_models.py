@@ -12,7 +12,7 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("transformers")
+import transformers  # noqa: E402, F401  (the models extra; CI installs it)
 
 from torch_spyre import validation  # noqa: E402
 from torch_spyre.cli import main as cli_main  # noqa: E402

@@ -58,7 +58,6 @@ def test_chrome_trace_has_a_track_per_core(tmp_path):
 
 
 def test_roofline_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     with sprof.profile() as prof:
         _workload()
     path = tmp_path / "roofline.png"
