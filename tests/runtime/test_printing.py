@@ -19,3 +19,14 @@ def test_wrapper_is_installed():
     import torch._tensor_str as ts
 
     assert ts._str is printing._str
+
+
+def test_fake_spyre_tensors_print_without_values():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        t = mode.from_tensor(torch.ones(3, device="spyre"))
+        text = repr(t)
+    assert "device='spyre:0'" in text and "size=(3,)" in text
+    p = torch.nn.Parameter(torch.ones(2, device="spyre"))
+    assert "tensor([1., 1.], device='spyre:0', requires_grad=True)" in repr(p)

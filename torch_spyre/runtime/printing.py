@@ -17,7 +17,14 @@ _original_str = tensor_str._str
 
 
 def _str(self: torch.Tensor, *, tensor_contents: str | None = None) -> str:
-    if self.device.type == "spyre" and tensor_contents is None and self.layout == torch.strided:
+    # plain tensors only: fake/functional/other subclasses (e.g. while
+    # torch.compile traces) have no values to copy and print as PyTorch says
+    if (
+        type(self) in (torch.Tensor, torch.nn.Parameter)
+        and self.device.type == "spyre"
+        and tensor_contents is None
+        and self.layout == torch.strided
+    ):
         with torch.no_grad():
             host = self.detach().to("cpu")
         if host.numel() > 0:
