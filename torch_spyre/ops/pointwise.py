@@ -75,11 +75,18 @@ def _register_vector_op(op, template: list, spec: tuple[int, tuple[str, ...]], k
     slots = [i for i, v in enumerate(template) if isinstance(v, _Slot)]
     nargs, kwnames = spec
 
-    def fn(*tensors: torch.Tensor) -> torch.Tensor:
-        flat = list(template)
-        for pos, t in zip(slots, tensors):
-            flat[pos] = t
-        return op(*flat[:nargs], **dict(zip(kwnames, flat[nargs:])))
+    if not kwnames and slots == list(range(len(template))):
+
+        def fn(*tensors: torch.Tensor) -> torch.Tensor:  # only tensors, in order
+            return op(*tensors)
+
+    else:
+
+        def fn(*tensors: torch.Tensor) -> torch.Tensor:
+            flat = list(template)
+            for pos, t in zip(slots, tensors):
+                flat[pos] = t
+            return op(*flat[:nargs], **dict(zip(kwnames, flat[nargs:])))
 
     cost = "transcendental" if _base(op) in TRANSCENDENTAL else "simple"
     sim_ops.register_op(name, fn, cost, len(slots))

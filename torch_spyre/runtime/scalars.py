@@ -28,6 +28,8 @@ def rewrap(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args``/``kwargs`` with numbers in Tensor slots made 0-dim CPU tensors."""
     fixed_args = None
     fixed_kwargs = None
+    if not kwargs and all(isinstance(v, torch.Tensor) for v in args):
+        return args, kwargs  # the common case: nothing to wrap
     for i, name in _positions(op):
         if i < len(args):
             v = args[i]

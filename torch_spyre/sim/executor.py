@@ -63,17 +63,16 @@ def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool =
     """
     if validate:
         program.validate()
-    for o in program.operands:
-        t = buffers.get(o.name)
-        if t is None:
-            raise ProgramError(f"kernel {program.name!r}: no device buffer for operand {o.name!r}")
-        if t.dtype != o.layout.dtype or t.numel() != o.layout.device_numel:
-            raise ProgramError(
-                f"kernel {program.name!r}: operand {o.name!r} needs {o.layout.device_numel} "
-                f"elements of {o.layout.dtype} (device size {list(o.layout.device_size)}), got "
-                f"{t.numel()} of {t.dtype}"
-            )
     fast = _same_layout_elementwise(program)
+    for name, dtype, numel, size in _operand_checks(program):
+        t = buffers.get(name)
+        if t is None:
+            raise ProgramError(f"kernel {program.name!r}: no device buffer for operand {name!r}")
+        if t.dtype != dtype or t.numel() != numel:
+            raise ProgramError(
+                f"kernel {program.name!r}: operand {name!r} needs {numel} elements of {dtype} "
+                f"(device size {list(size)}), got {t.numel()} of {t.dtype}"
+            )
     if fast is not None:
         fast(buffers)
         return
@@ -91,6 +90,24 @@ def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool =
             env[s.out] = _reduce(program, s, env)
         elif isinstance(s, RingAllReduce):
             env[s.buffer] = _allreduce(program, s, env[s.buffer])
+
+
+_checks: dict[int, tuple[Program, tuple]] = {}
+
+
+def _operand_checks(program: Program) -> tuple:
+    """(name, dtype, device numel, device size) of each operand, once per program."""
+    hit = _checks.get(id(program))
+    if hit is not None and hit[0] is program:
+        return hit[1]
+    checks = tuple(
+        (o.name, o.layout.dtype, o.layout.device_numel, o.layout.device_size)
+        for o in program.operands
+    )
+    if len(_checks) > 8192:
+        _checks.clear()
+    _checks[id(program)] = (program, checks)
+    return checks
 
 
 # program id -> (program, specialised runner or None); see _same_layout_elementwise
