@@ -258,6 +258,19 @@ def test_unsupported_op_fails_with_a_message_naming_it():
         cf(torch.randn(4, 64, dtype=H).to("spyre"))
 
 
+def test_constant_fills_are_kernels():
+    # torch.full / zeros_like inside a graph (causal masks, caches): a store of a
+    # constant broadcast over the output, planned like any other program
+    def f(x):
+        return x + torch.full((4, 70), 2.5, device=x.device) + torch.zeros_like(x)
+
+    x = torch.randn(4, 70)
+    before = dict(dispatch_stats.counts("fallback"))
+    y = torch.compile(f, fullgraph=True, dynamic=False)(x.to("spyre"))
+    torch.testing.assert_close(y.cpu(), f(x))
+    assert dispatch_stats.counts("fallback") == before
+
+
 def test_rope_is_a_permutation_matmul_with_a_fused_epilogue():
     *_, prof = _compiled("rope")
     names = [k.name for k in prof.kernels]

@@ -473,8 +473,8 @@ class ProgramBuilder:
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
         factors, offs = _decompose(index, size, stride, offset, self.ranges, f"store of {name}")
-        if isinstance(value, Scal):
-            raise Unsupported(f"store of a constant into {name}")
+        if isinstance(value, Scal):  # a fill: the constant, broadcast below
+            value = self._materialise(value)
         idx_dims = {self.uf.find(v) for f in factors for v in f}
         vdims = {self.uf.find(v) for v in value.dims}
         if not idx_dims >= vdims:
