@@ -271,6 +271,22 @@ def test_constant_fills_are_kernels():
     assert dispatch_stats.counts("fallback") == before
 
 
+def test_kv_cache_update_in_place_runs_on_the_card():
+    # a static KV cache: index_copy_ into a graph input (an indirect store, run by
+    # the eager DMA kernel through spyre::index_put) and a kernel reading it after
+    def f(cache, pos, v):
+        cache.index_copy_(0, pos, v)
+        return cache * 2
+
+    c, pos, v = torch.zeros(8, 64), torch.tensor([2, 5]), torch.randn(2, 64)
+    cs = c.to("spyre")
+    before = dict(dispatch_stats.counts("fallback"))
+    out = torch.compile(f, fullgraph=True, dynamic=False)(cs, pos.to("spyre"), v.to("spyre"))
+    torch.testing.assert_close(out.cpu(), f(c.clone(), pos, v))
+    torch.testing.assert_close(cs.cpu(), c.index_copy(0, pos, v))
+    assert dispatch_stats.counts("fallback") == before
+
+
 def test_rope_is_a_permutation_matmul_with_a_fused_epilogue():
     *_, prof = _compiled("rope")
     names = [k.name for k in prof.kernels]

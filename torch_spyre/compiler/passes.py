@@ -8,6 +8,8 @@ the card: counted as ``kernel``, never a host fallback):
 
 * ``aten.embedding``: Inductor lowers it to an indirect load, which kernel
   programs cannot express yet; the eager embedding is a device DMA program.
+* ``aten.index_put`` (what a static KV cache's ``index_copy_`` becomes): an
+  indirect store, likewise run by the eager device kernel (a DMA program).
 
 and rewrites what the vector units cannot do into what the PE array can:
 
@@ -32,6 +34,31 @@ def embedding(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 @embedding.register_fake
 def _(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return weight.new_empty((*indices.shape, weight.shape[-1]))
+
+
+@torch.library.custom_op("spyre::index_put", mutates_args=())
+def index_put(
+    x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
+) -> torch.Tensor:
+    """``x.index_put(indices, values, accumulate)`` by the device's eager kernel."""
+    return torch.ops.aten.index_put.default(x, indices, values, accumulate)
+
+
+@index_put.register_fake
+def _(x, indices, values, accumulate):
+    return torch.empty_like(x)
+
+
+_ROUTED = {
+    torch.ops.aten.embedding.default: lambda n: (
+        torch.ops.spyre.embedding.default,
+        (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
+    ),
+    torch.ops.aten.index_put.default: lambda n: (
+        torch.ops.spyre.index_put.default,
+        (n.args[0], n.args[1], n.args[2], n.args[3] if len(n.args) > 3 else False),
+    ),
+}
 
 
 def _on_spyre(node: torch.fx.Node) -> bool:
@@ -126,14 +153,12 @@ class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
         for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+            route = _ROUTED.get(node.target) if node.op == "call_function" else None
+            if route is None or not _on_spyre(node):
                 continue
-            weight, indices = node.args[:2]
-            # padding_idx, scale_grad_by_freq and sparse only matter for the backward
-            if not _on_spyre(node):
-                continue
+            target, args = route(node)
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.spyre.embedding.default, (weight, indices))
+                new = gm.graph.call_function(target, args)
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)

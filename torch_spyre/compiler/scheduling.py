@@ -171,6 +171,19 @@ def _node_vars(b: lowering.ProgramBuilder, prefix: str, sizes, splits, first: in
     return out
 
 
+def _storage_name(name: str) -> str:
+    """The buffer whose memory ``name`` writes: an in-place update of a graph
+    input (a KV cache's copy_) is a node with a mutation layout over it."""
+    try:
+        buf = V.graph.get_buffer(name)
+    except Exception:  # an expression such as "mm_out[0]", not a buffer name
+        return name
+    layout = getattr(buf, "layout", None)
+    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+        return layout.get_buffer().get_name()
+    return name
+
+
 def _buffer_info(name: str):
     buf = V.graph.get_buffer(name)
     if buf is None:
@@ -367,7 +380,7 @@ class SpyreScheduling(BaseScheduling):
         _remember(plan)
         wrapper = V.graph.wrapper_code
         kname = _define(wrapper, plan)
-        args = ", ".join(u.buffer for u in plan.operands if u.role != "iota")
+        args = ", ".join(_storage_name(u.buffer) for u in plan.operands if u.role != "iota")
         wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
         if plan.after:
             wrapper.writeline(plan.after)
