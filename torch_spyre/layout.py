@@ -98,7 +98,7 @@ class SpyreTensorLayout:
         others = [k for k in range(n) if k != stick_dim]
         outer, rest = others[0], others[1:]
         dims = rest + [stick_dim, outer, stick_dim]
-        sizes = [size[k] for k in rest] + [_ceil_div(size[stick_dim], se), size[outer], se]
+        sizes = [size[k] for k in rest] + [ceil_div(size[stick_dim], se), size[outer], se]
         return SpyreTensorLayout(size, tuple(sizes), tuple(dims), dtype)
 
     def __post_init__(self) -> None:
@@ -268,7 +268,8 @@ class SpyreTensorLayout:
         return out
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints (sticks, tiles, chunks)."""
     return -(-a // b)
 
 
@@ -280,7 +281,7 @@ def _default_layout(size: tuple[int, ...], dtype: torch.dtype) -> SpyreTensorLay
     if n == 0:
         return SpyreTensorLayout((), (1, se), (-1, -1), dtype)
     if n == 1:
-        return SpyreTensorLayout(size, (_ceil_div(size[0], se), se), (0, 0), dtype)
+        return SpyreTensorLayout(size, (ceil_div(size[0], se), se), (0, 0), dtype)
     dims = list(range(1, n - 1)) + [n - 1, 0, n - 1]
-    sizes = list(size[1 : n - 1]) + [_ceil_div(size[-1], se), size[0], se]
+    sizes = list(size[1 : n - 1]) + [ceil_div(size[-1], se), size[0], se]
     return SpyreTensorLayout(size, tuple(sizes), tuple(dims), dtype)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, stick_elems
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -155,10 +155,6 @@ class Val:
 class Scal:
     value: float | int | bool
     dtype: torch.dtype
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _default_numel(size, dtype) -> int:
@@ -811,7 +807,7 @@ def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
         split[row_split] = (min(pm, sizes[row_split]), None)
     n_chunk = None
     if pn > 1:
-        n_chunk = _ceil_div(_ceil_div(n, pn), se) * se
+        n_chunk = ceil_div(ceil_div(n, pn), se) * se
         pn = -(-n // n_chunk)
         if pn > 1:
             split[nd] = (pn, n_chunk)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, stick_elems
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -22,10 +22,6 @@ from torch_spyre.sim import (
     Store,
     Vector,
 )
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _split(shape: tuple[int, ...], cores: int, stick: int) -> tuple[int, int, int | None]:
@@ -53,9 +49,9 @@ def _tiles(shape: list[int], bytes_per_elem: float, budget: int, stick: int) -> 
     """Tiles that fill ``budget`` bytes of LX, innermost dim first, whole sticks."""
     tiles = [1] * len(shape)
     elems = max(1, int(budget // bytes_per_elem))
-    inner = _ceil_div(shape[-1], stick) * stick
+    inner = ceil_div(shape[-1], stick) * stick
     tiles[-1] = shape[-1] if inner <= elems else max(stick, elems // stick * stick)
-    acc = _ceil_div(tiles[-1], stick) * stick
+    acc = ceil_div(tiles[-1], stick) * stick
     for i in range(len(shape) - 2, -1, -1):
         tiles[i] = max(1, min(shape[i], elems // acc))
         acc *= tiles[i]
@@ -67,7 +63,7 @@ def _core_dims(
 ) -> tuple[Dim, ...]:
     sd, ncores, chunk = _split(shape, cfg.cores, stick)
     per_core = list(shape)
-    per_core[sd] = chunk or _ceil_div(shape[sd], ncores)
+    per_core[sd] = chunk or ceil_div(shape[sd], ncores)
     # double-buffered operand tiles in half the LX
     tiles = _tiles(per_core, 2 * dtype_bytes, cfg.lx_bytes // 2, stick)
     return tuple(
@@ -212,13 +208,13 @@ def _rowwise_dims(
     r = names[dim]
     kept_shape = tuple(s for i, s in enumerate(shape) if i != dim)
     se = stick_elems(in_dtype)
-    row = _ceil_div(shape[dim], se) * se * 4
+    row = ceil_div(shape[dim], se) * se * 4
     budget = cfg.lx_bytes // 2
     if kept_shape:
         kept = [n for n in names if n != r]
         ksd, ncores, chunk = _split(kept_shape, cfg.cores, max(se, stick_elems(out_dtype)))
         sd = names.index(kept[ksd])
-        per_core = chunk or _ceil_div(shape[sd], ncores)
+        per_core = chunk or ceil_div(shape[sd], ncores)
         rows_budget = budget // (row_copies * row)
         dims = []
         rtile = None
@@ -236,9 +232,9 @@ def _rowwise_dims(
         if rtile is not None:
             loops += (r,)
         return dims, loops, 1
-    ncores = min(cfg.cores, _ceil_div(shape[0], se)) if tile_rows else 1
-    chunk = _ceil_div(_ceil_div(shape[0], ncores), se) * se if ncores > 1 else None
-    ncores = _ceil_div(shape[0], chunk) if chunk else 1
+    ncores = min(cfg.cores, ceil_div(shape[0], se)) if tile_rows else 1
+    chunk = ceil_div(ceil_div(shape[0], ncores), se) * se if ncores > 1 else None
+    ncores = ceil_div(shape[0], chunk) if chunk else 1
     per_core = chunk or shape[0]
     tile = max(se, min(per_core, budget // (row_copies * 4) // se * se))
     loops = (r,) if tile_rows else ()
@@ -312,14 +308,14 @@ def matmul(
         split[row_split] = max(1, min(pm, sizes[row_split]))
     n_chunk = None
     if pn > 1:
-        n_chunk = _ceil_div(_ceil_div(n, pn), se) * se
-        pn = _ceil_div(n, n_chunk)
+        n_chunk = ceil_div(ceil_div(n, pn), se) * se
+        pn = ceil_div(n, n_chunk)
         if pn == 1:
             n_chunk = None
     split["n"] = pn
-    em = _ceil_div(sizes[row_split], split[row_split]) if row_split else 1
+    em = ceil_div(sizes[row_split], split[row_split]) if row_split else 1
     em *= math.prod(sizes[d] for d in rows if d != row_split)
-    en = n_chunk or _ceil_div(n, pn)
+    en = n_chunk or ceil_div(n, pn)
     tm, tn, tk = default_matmul_tiles(em, en, k, dtype, True, cfg)
     dims = []
     loop_dims = batch + rows + ["n", "k"]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, stick_elems
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim.config import HardwareConfig
 from torch_spyre.sim.program import (
     Buffer,
@@ -28,10 +28,6 @@ from torch_spyre.sim.program import (
 )
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -46,11 +42,11 @@ def _fit_tiles(sizes: list[int], bytes_per_elem: float, budget: int, stick: int)
     tiles = [1] * len(sizes)
     elems = max(1, int(budget / bytes_per_elem))
     inner = sizes[-1]
-    if _ceil_div(inner, stick) * stick <= elems:
+    if ceil_div(inner, stick) * stick <= elems:
         tiles[-1] = inner
     else:
         tiles[-1] = max(stick, elems // stick * stick)
-    acc = _ceil_div(tiles[-1], stick) * stick
+    acc = ceil_div(tiles[-1], stick) * stick
     for i in range(len(sizes) - 2, -1, -1):
         tiles[i] = max(1, min(sizes[i], elems // acc))
         acc *= tiles[i]
@@ -152,14 +148,14 @@ def _elementwise_split(lay: SpyreTensorLayout, cores: int) -> tuple[int, int, in
     n = len(lay.host_size)
 
     def pieces(k: int) -> int:
-        return _ceil_div(lay.host_size[k], se) if k == lay.stick_dim else lay.host_size[k]
+        return ceil_div(lay.host_size[k], se) if k == lay.stick_dim else lay.host_size[k]
 
     first = lay.dim_map[0] if lay.dim_map[0] >= 0 else 0
     k = first if pieces(first) >= cores else max(range(n), key=lambda i: (pieces(i), i == first))
-    per = _ceil_div(pieces(k), max(1, min(cores, pieces(k))))
+    per = ceil_div(pieces(k), max(1, min(cores, pieces(k))))
     chunk = per * se if k == lay.stick_dim else per
     chunk = min(chunk, lay.host_size[k])
-    return k, _ceil_div(lay.host_size[k], chunk), chunk
+    return k, ceil_div(lay.host_size[k], chunk), chunk
 
 
 def matmul(
@@ -190,9 +186,9 @@ def matmul(
     pm, pn, pk = split
     se = stick_elems(dtype)
     # N is the stick dim of ``out``: give each core whole sticks of it
-    en = _ceil_div(_ceil_div(n, se), pn) * se if pn > 1 else n
-    pn = _ceil_div(n, en)
-    em, ek = _ceil_div(m, pm), _ceil_div(k, pk)
+    en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
+    pn = ceil_div(n, en)
+    em, ek = ceil_div(m, pm), ceil_div(k, pk)
     if tiles is None:
         tiles = default_matmul_tiles(em, en, ek, dtype, double_buffer, cfg)
     tm, tn, tk = tiles
@@ -238,10 +234,10 @@ def default_matmul_split(m: int, n: int, k: int, config: HardwareConfig) -> tupl
         if cores % pm:
             continue
         pn = cores // pm
-        if pm > m or pn > _ceil_div(n, 64):
+        if pm > m or pn > ceil_div(n, 64):
             continue
         # per-core traffic of a streamed-K block: (m/pm + n/pn) * k
-        cost = (_ceil_div(m, pm) + _ceil_div(n, pn)) * k
+        cost = (ceil_div(m, pm) + ceil_div(n, pn)) * k
         if cost < best_cost:
             best, best_cost = (pm, pn, 1), cost
     if best == (1, 1, 1) and cores > 1 and m * n < cores:
@@ -259,7 +255,7 @@ def default_matmul_tiles(
     tk = min(ek, 2 * se)
 
     def lx(tm: int, tn: int) -> int:
-        pad = lambda x: _ceil_div(x, se) * se  # noqa: E731
+        pad = lambda x: ceil_div(x, se) * se  # noqa: E731
         return copies * (tm * pad(tk) * it + tk * pad(tn) * it + tm * pad(tn) * 4)
 
     tm, tn = min(em, 8), min(en, se)
@@ -293,13 +289,13 @@ def softmax(
     """
     cfg = config or HardwareConfig()
     ncores = _cores(cfg, cores, m)
-    em = _ceil_div(m, ncores)
+    em = ceil_div(m, ncores)
     se = stick_elems(dtype)
-    row = _ceil_div(n, se) * se * _itemsize(dtype)
+    row = ceil_div(n, se) * se * _itemsize(dtype)
     if rows_per_tile is None:
         # x, y double buffered, e single: 5 row copies per tile in half the LX
         # at least 8 tiles per core, so pipeline fill and drain cost <= 1/8
-        rows_per_tile = max(1, min(_ceil_div(em, 8), cfg.lx_bytes // 2 // (5 * row)))
+        rows_per_tile = max(1, min(ceil_div(em, 8), cfg.lx_bytes // 2 // (5 * row)))
     dims = (Dim("m", m, ncores, rows_per_tile), Dim("n", n))
     L = ("m",)
     lay = SpyreTensorLayout.default((m, n), dtype)
@@ -356,9 +352,9 @@ def rmsnorm(
     """
     cfg = config or HardwareConfig()
     ncores = _cores(cfg, cores, m)
-    em = _ceil_div(m, ncores)
+    em = ceil_div(m, ncores)
     se32 = stick_elems(torch.float32)
-    row32 = _ceil_div(n, se32) * se32 * 4
+    row32 = ceil_div(n, se32) * se32 * 4
     # x, out double buffered (16-bit), sq and y fp32: ~6 fp32 rows per row
     rows = max(1, min(em, (cfg.lx_bytes // 2 - row32) // (6 * row32)))
     L = ("m",)
@@ -406,9 +402,9 @@ def layernorm(
     """``out = (x - mean) * rsqrt(var + eps) * w + b``; operands ``x``, ``w``, ``b``, ``out``."""
     cfg = config or HardwareConfig()
     ncores = _cores(cfg, cores, m)
-    em = _ceil_div(m, ncores)
+    em = ceil_div(m, ncores)
     se32 = stick_elems(torch.float32)
-    row32 = _ceil_div(n, se32) * se32 * 4
+    row32 = ceil_div(n, se32) * se32 * 4
     rows = max(1, min(em, (cfg.lx_bytes // 2 - 2 * row32) // (6 * row32)))
     L = ("m",)
     steps = (
@@ -543,7 +539,7 @@ def best_matmul(
     for pm in pows:
         for pn in pows:
             for pk in pows:
-                if pm * pn * pk > cfg.cores or pm > m or pn > _ceil_div(n, se) or pk > k:
+                if pm * pn * pk > cfg.cores or pm > m or pn > ceil_div(n, se) or pk > k:
                     continue
                 p = matmul(m, n, k, dtype, split=(pm, pn, pk), config=cfg, name=name)
                 try:

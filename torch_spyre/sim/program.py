@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.layout import SpyreTensorLayout, ceil_div
 from torch_spyre.sim import ops as ops_mod
 from torch_spyre.sim.config import HardwareConfig
 
@@ -49,10 +49,6 @@ class LXOverflowError(ProgramError):
 
 class SpanError(ProgramError):
     pass
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -77,7 +73,7 @@ class Dim:
     @property
     def core_extent(self) -> int:
         """Elements of this dim on the fullest core (core c starts at c * this)."""
-        return self.chunk or _ceil_div(self.size, self.cores)
+        return self.chunk or ceil_div(self.size, self.cores)
 
     @property
     def tile_size(self) -> int:
@@ -274,7 +270,7 @@ class Program:
         itemsize = torch.empty((), dtype=buf.dtype).element_size()
         stick = (config.stick_bytes if config else 128) // itemsize
         ext = [self.buffer_extents(name)[d] for d in buf.dims] or [1]
-        ext[-1] = _ceil_div(ext[-1], stick) * stick
+        ext[-1] = ceil_div(ext[-1], stick) * stick
         return math.prod(ext) * itemsize
 
     def lx_usage(self, config: HardwareConfig | None = None) -> dict[str, int]:
