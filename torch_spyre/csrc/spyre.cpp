@@ -666,31 +666,6 @@ static int64_t layout_id(const at::Tensor& t) {
   return it == g_layout_of_ptr.end() ? -1 : it->second;
 }
 
-static void set_layout(const at::Tensor& t, std::vector<int64_t> host_size,
-                       std::vector<int64_t> device_size, std::vector<int64_t> dim_map) {
-  void* ptr = t.storage().data_ptr().get();
-  TORCH_CHECK(ptr != nullptr, "cannot lay out an empty storage");
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_blocks.find(ptr);
-  TORCH_CHECK(it != g_blocks.end(), "not a spyre device storage");
-  Layout l{host_size, device_size, dim_map, t.scalar_type()};
-  TORCH_CHECK(round_to_stick(layout_nbytes(l)) <= it->second.nbytes,
-              "layout needs more device memory than the storage holds");
-  g_layout_of_ptr[ptr] = intern_layout(l);
-  g_layouts[ptr] = std::move(l);
-}
-
-// Allocate a tensor of logical `size` whose storage holds the given layout.
-static at::Tensor empty_laid_out(std::vector<int64_t> size, c10::ScalarType dtype, int device,
-                                 std::vector<int64_t> device_size, std::vector<int64_t> dim_map) {
-  check_dtype(dtype);
-  check_device(device);
-  Layout l{size, device_size, dim_map, dtype};
-  auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
-  return empty_with_layout(std::move(l), size, host_strides(size), device,
-                           static_cast<int64_t>(nbytes));
-}
-
 // A CPU tensor aliasing the device bytes of `t`'s storage (whole block,
 // padding included).  It keeps the storage alive.  This is how the simulated
 // card reads and writes its memory; nothing else should use it.
@@ -747,7 +722,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_reset_peak", &spyre::reset_peak);
   m.def("_layout_of", &spyre::layout_of);
   m.def("_layout_id", &spyre::layout_id);
-  m.def("_set_layout", &spyre::set_layout);
   m.def("_default_generator", [](int d) {
     return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(
         spyre::default_generator(static_cast<c10::DeviceIndex>(d))));
@@ -757,7 +731,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     spyre::g_layouts.erase(t.storage().data_ptr().get());
     spyre::g_layout_of_ptr.erase(t.storage().data_ptr().get());
   });
-  m.def("_empty_laid_out", &spyre::empty_laid_out);
   m.def("_device_bytes", &spyre::device_bytes);
   m.def("_device_tensor", &spyre::device_tensor);
   m.def("_advance_clock", &spyre::advance_clock);

@@ -22,6 +22,7 @@ from torch_spyre.sim import (
     Store,
     Vector,
 )
+from torch_spyre.sim.kernels import broadcast_index, fit_tiles
 
 
 def _split(shape: tuple[int, ...], cores: int, stick: int) -> tuple[int, int, int | None]:
@@ -45,19 +46,6 @@ def _split(shape: tuple[int, ...], cores: int, stick: int) -> tuple[int, int, in
     return best
 
 
-def _tiles(shape: list[int], bytes_per_elem: float, budget: int, stick: int) -> list[int]:
-    """Tiles that fill ``budget`` bytes of LX, innermost dim first, whole sticks."""
-    tiles = [1] * len(shape)
-    elems = max(1, int(budget // bytes_per_elem))
-    inner = ceil_div(shape[-1], stick) * stick
-    tiles[-1] = shape[-1] if inner <= elems else max(stick, elems // stick * stick)
-    acc = ceil_div(tiles[-1], stick) * stick
-    for i in range(len(shape) - 2, -1, -1):
-        tiles[i] = max(1, min(shape[i], elems // acc))
-        acc *= tiles[i]
-    return tiles
-
-
 def _core_dims(
     shape: tuple[int, ...], dtype_bytes: float, cfg: HardwareConfig, names: list[str], stick: int
 ) -> tuple[Dim, ...]:
@@ -65,7 +53,7 @@ def _core_dims(
     per_core = list(shape)
     per_core[sd] = chunk or ceil_div(shape[sd], ncores)
     # double-buffered operand tiles in half the LX
-    tiles = _tiles(per_core, 2 * dtype_bytes, cfg.lx_bytes // 2, stick)
+    tiles = fit_tiles(per_core, 2 * dtype_bytes, cfg.lx_bytes // 2, stick)
     return tuple(
         Dim(n, s, cores=ncores if i == sd else 1, tile=t, chunk=chunk if i == sd else None)
         for i, (n, s, t) in enumerate(zip(names, shape, tiles))
@@ -98,15 +86,7 @@ def pointwise(
     operands, buffers, steps = [], [], []
     for i, (ishape, idt) in enumerate(inputs):
         ishape = tuple(ishape) or (1,)
-        lead = len(shape) - len(ishape)
-        index = tuple(
-            None if (s == 1 and shape[lead + k] != 1) else names[lead + k]
-            for k, s in enumerate(ishape)
-        )
-        if len(ishape) > len(shape) or any(
-            s not in (1, shape[lead + k]) for k, s in enumerate(ishape)
-        ):
-            raise ValueError(f"input {i} of shape {ishape} does not broadcast to {shape}")
+        index = broadcast_index(ishape, shape, names, op)
         used = tuple(d for d in index if d is not None)
         operands.append(Operand(f"in{i}", SpyreTensorLayout.default(ishape, idt), "input"))
         buffers.append(Buffer(f"in{i}_t", used, idt, True))
@@ -243,10 +223,6 @@ def _rowwise_dims(
 
 def op_keeps_acc(op: str) -> bool:
     return not op.startswith(("argmax", "argmin"))
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
 
 
 def matmul(

@@ -10,8 +10,6 @@ from torch_spyre.ops.errors import annotated
 from torch_spyre.runtime import dispatch_stats
 
 _lib: torch.library.Library | None = None
-#: aten overload name -> kernel, for everything registered here
-KERNELS: dict[str, Callable] = {}
 
 
 def _library() -> torch.library.Library:
@@ -55,7 +53,6 @@ def kernel(*names: str, path: str = "kernel"):
                 return result
 
             _library().impl(name.removesuffix(".default"), impl, "PrivateUse1")
-            KERNELS[name] = fn
         return fn
 
     return wrap

@@ -37,7 +37,7 @@ def _cores(config: HardwareConfig | None, cores: int | None, size: int) -> int:
     return max(1, min(n, size))
 
 
-def _fit_tiles(sizes: list[int], bytes_per_elem: float, budget: int, stick: int) -> list[int]:
+def fit_tiles(sizes: list[int], bytes_per_elem: float, budget: int, stick: int) -> list[int]:
     """Tiles (inner dim first to fill) so that a tile of all buffers fits ``budget``."""
     tiles = [1] * len(sizes)
     elems = max(1, int(budget / bytes_per_elem))
@@ -83,7 +83,7 @@ def elementwise(
     per_core = list(shape)
     per_core[split] = chunk
     nbuf = num_inputs + 1
-    tiles = _fit_tiles(per_core, nbuf * 2 * _itemsize(dtype), cfg.lx_bytes // 2, stick_elems(dtype))
+    tiles = fit_tiles(per_core, nbuf * 2 * _itemsize(dtype), cfg.lx_bytes // 2, stick_elems(dtype))
     dims = tuple(
         Dim(n, s, cores=ncores if i == split else 1, tile=t, chunk=chunk if i == split else None)
         for i, (n, s, t) in enumerate(zip(names, shape, tiles))
@@ -98,7 +98,7 @@ def elementwise(
     steps: list = []
     operands, buffers = [], []
     for x, xs, xd in zip(ins, shapes, dtypes):
-        xidx = _broadcast_index(xs, shape, names, op)
+        xidx = broadcast_index(xs, shape, names, op)
         steps.append(Load(f"{x}_t", x, xidx, loops))
         operands.append(Operand(x, SpyreTensorLayout.default(xs, xd), "input"))
         buffers.append(Buffer(f"{x}_t", tuple(d for d in xidx if d), xd, True))
@@ -114,7 +114,7 @@ def elementwise(
     )
 
 
-def _broadcast_index(
+def broadcast_index(
     xs: tuple[int, ...], shape: tuple[int, ...], names: list[str], op: str
 ) -> tuple[str | None, ...]:
     """Iteration dim of each host dim of an input broadcast (right-aligned) to ``shape``."""
