@@ -2,6 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare]
+    spyre estimate MODEL [--prompt N] [--new-tokens N] [--json out.json]
 
 ``validate`` exits 1 when a validation threshold is missed.
 """
@@ -76,6 +77,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    import torch_spyre
+    from torch_spyre.models import estimate
+
+    torch_spyre.set_fallback_policy("silent")  # still counted and reported
+    names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
+    results = []
+    for name in names:
+        est = estimate.estimate(name, prompt=args.prompt, new_tokens=args.new_tokens)
+        print(est.format())
+        print()
+        results.append(est.to_json())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship offline (shared/models.md)
     parser = argparse.ArgumentParser(prog="spyre", description="torch-spyre tools")
@@ -99,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--compare", action="store_true", help="also run on the CPU and compare")
     g.add_argument("--no-progress", action="store_true")
     g.set_defaults(func=_generate)
+    e = sub.add_parser(
+        "estimate",
+        help="plan a model too large to run here (public config, no weights) and model its time",
+    )
+    e.add_argument("model", help="granite-3.3-8b, qwen3-8b, gemma-3-27b, or all")
+    e.add_argument("--prompt", type=int, default=1024, help="prefill tokens (batch 1)")
+    e.add_argument(
+        "--new-tokens", type=int, default=128, help="decode budget: sizes the static KV cache"
+    )
+    e.add_argument("--json", default=None, help="write the estimate(s) as JSON here")
+    e.set_defaults(func=_estimate)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' deprecation chatter

@@ -48,8 +48,10 @@ from torch_spyre.sim import (
     Program,
     ProgramError,
     Reduce,
+    RingAllReduce,
     Store,
     Vector,
+    estimate,
 )
 from torch_spyre.sim import ops as sim_ops
 
@@ -292,6 +294,35 @@ def view_layout(size, dtype, factors, offsets=None):
     return lay, start
 
 
+def strided_view(size, dtype, factors, offsets):
+    """A view that is *not* one contiguous block (a slice of an inner dim:
+    the first n positions of every head of a KV cache): the whole buffer as
+    the operand, read by a load from per-dim offsets (``Load.offsets``).
+
+    Returns (layout of the whole buffer viewed in ``factors``' pieces, the
+    offset along each view host dim).  Raises ``Unsupported`` when the
+    offset into the stick dim is not whole sticks (no DMA shifts lanes)."""
+    size = tuple(size) or (1,)
+    offsets = list(offsets or [0] * len(size))
+    se = stick_elems(dtype)
+    whole, offs = [], []
+    for j, f in enumerate(factors):
+        f = list(f) or [1]
+        inner = math.prod(f[1:])
+        if size[j] % inner or offsets[j] % inner:
+            raise Unsupported(f"a reshape of a {list(size)} buffer that does not divide dim {j}")
+        if j == len(size) - 1 and len(f) == 1 and offsets[j] % se:
+            raise Unsupported(
+                f"a slice from element {offsets[j]} of the stick dim of a {list(size)} "
+                f"buffer (not whole sticks of {se}: a DMA cannot shift lanes)"
+            )
+        whole.append([size[j] // inner] + f[1:])
+        offs.extend([offsets[j] // inner] + [0] * (len(f) - 1))
+    lay, start = view_layout(size, dtype, whole)
+    assert start == 0
+    return lay, tuple(offs)
+
+
 # ------------------------------------------------------------------ builder
 @dataclass
 class OperandUse:
@@ -302,6 +333,9 @@ class OperandUse:
     shape: tuple[int, ...]  # the wrapper tensor's shape
     #: first device element of the view (a slice that is one block of sticks)
     start: int = 0
+    #: per view host dim, where its loads start (a slice that is not one
+    #: block of sticks reads the whole buffer from these offsets)
+    load_offsets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -332,8 +366,12 @@ class _UnionFind:
 class ProgramBuilder:
     """Records kernel-program steps while Inductor's inner functions run on it."""
 
-    def __init__(self, buffer_info, config: HardwareConfig | None = None, simplify=None) -> None:
+    def __init__(
+        self, buffer_info, config: HardwareConfig | None = None, simplify=None, naive: bool = False
+    ) -> None:
         self._simplify = simplify
+        #: plan as a naive backend would (``compiler.options.planning(naive=True)``)
+        self.naive = naive
         #: name -> (size, stride, offset, dtype) of every Inductor buffer / graph input
         self.buffer_info = buffer_info
         self.cfg = config or HardwareConfig()
@@ -349,6 +387,8 @@ class ProgramBuilder:
         self.store_steps: dict[str, int] = {}
         self.cse: dict[tuple, Val] = {}
         self.load_index: dict[str, tuple[str | None, ...]] = {}
+        #: the lane dim of each stick read one element at a time (see _lane)
+        self.lane_vars: dict[tuple, str] = {}
         #: 0-dim buffers (their operands are 1-element vectors)
         self.scalars: set[str] = set()
         self._n = 0
@@ -392,11 +432,20 @@ class ProgramBuilder:
         key = (buffer, role, tuple(tuple(f) for f in shape_f), tuple(offsets))
         use = self.operands.get(key)
         if use is None:
-            lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
+            load_offsets: tuple[int, ...] = ()
+            try:
+                lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
+            except Unsupported:
+                if role != "input":
+                    raise
+                lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets)
+                start = 0
             if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
                 raise Unsupported(f"a store into part of {buffer}")
             shape = () if buffer in self.scalars else tuple(size)
-            use = OperandUse(f"{role[:2]}{len(self.operands)}", buffer, role, lay, shape, start)
+            use = OperandUse(
+                f"{role[:2]}{len(self.operands)}", buffer, role, lay, shape, start, load_offsets
+            )
             self.operands[key] = use
         return use
 
@@ -434,6 +483,9 @@ class ProgramBuilder:
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
         factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
+        se = stick_elems(dtype)
+        if name not in self.produced and not factors[-1] and size[-1] > 1 and offs[-1] % se:
+            return self._lane(name, factors, offs, size, dtype, se)
         if name in self.produced:
             val, pf = self.produced[name]
             if any(offs):
@@ -444,6 +496,9 @@ class ProgramBuilder:
                 for x, y in zip(a, b):
                     self.uf.union(x, y)
             return val
+        return self._load_parts(name, factors, offs, size, dtype, share)
+
+    def _load_parts(self, name: str, factors, offs, size, dtype, share: bool = True) -> Val:
         use = self._operand(name, "input", factors, offs, size, dtype)
         idx = self._index(factors)
         key = ("load", use.name) if share else ("load-private", len(self.steps))
@@ -457,11 +512,31 @@ class ProgramBuilder:
             return hit
         dims = frozenset(d for d in idx if d is not None)
         buf = self._buf(dims, dtype, double=True)
-        self.steps.append(Load(buf, use.name, idx))
+        self.steps.append(Load(buf, use.name, idx, offsets=use.load_offsets))
         val = Val(buf, dims, dtype)
         self.cse[key] = val
         self.load_index[use.name] = idx
         return val
+
+    def _lane(self, name: str, factors, offs, size, dtype, se: int) -> Val:
+        """One element of a stick (``x[..., 3]``: Inductor unrolls reductions
+        over fewer than 8 elements into such reads).  A DMA moves whole
+        sticks and cannot shift lanes, so the stick is loaded and the lane
+        picked on the vector unit: a mask from the lane index, then a
+        reduction over the stick with exactly one term kept (exact)."""
+        if not (dtype.is_floating_point or dtype == torch.bool):
+            raise Unsupported(f"element {offs[-1]} of the stick dim of {name} ({dtype})")
+        c0 = offs[-1] - offs[-1] % se
+        key = ("lane", name, tuple(tuple(f) for f in factors), tuple(offs[:-1]), c0)
+        lane = self.lane_vars.get(key)
+        if lane is None:
+            lane = self.lane_vars[key] = str(self.new_vars("l", [min(se, size[-1] - c0)])[0])
+        block = self._load_parts(name, factors[:-1] + [[lane]], offs[:-1] + [c0], size, dtype)
+        sel = self._binary("eq", self._iota(lane), Scal(offs[-1] - c0, torch.float32))
+        picked = self._vec("where", [sel, block, self._materialise(Scal(0.0, block.dtype))])
+        if dtype == torch.bool:
+            return self._reduce("any", picked, [lane], torch.bool)
+        return self._reduce("sum", picked, [lane], block.dtype)
 
     def store(self, name: str, index, value, mode=None) -> None:
         if mode is not None:
@@ -634,6 +709,12 @@ class ProgramBuilder:
             if op == "minimum":
                 return self._vec("minimum_scalar", [b], (c,))
         a, b = self._materialise(a), self._materialise(b)
+        if op in ("truediv", "div") and {self.uf.find(d) for d in b.dims} < {
+            self.uf.find(d) for d in a.dims
+        }:
+            # a divisor with fewer elements (softmax's row sums): one
+            # reciprocal per divisor element, then a multiply per element
+            return self._vec("mul", [a, self._vec("reciprocal", [b])])
         return self._vec(_BINARY[op], [a, b], (), torch.bool if out_bool else torch.float32)
 
     def __getattr__(self, name: str):
@@ -680,7 +761,13 @@ class ProgramBuilder:
             for n, b in self.buffers.items()
         }
         steps, buffers = _reuse_buffers(steps, buffers)
-        return Plan(_plan_dims(name, steps, buffers, ops, sizes, reduced, self.cfg), ops, removed)
+        # stored buffers are double buffered, so the tile loop is a pipeline
+        # (the store of one tile overlaps the compute of the next)
+        for st in steps:
+            if isinstance(st, Store) and not buffers[st.buffer].double_buffered:
+                buffers[st.buffer] = replace(buffers[st.buffer], double_buffered=True)
+        prog = _plan_dims(name, steps, buffers, ops, sizes, reduced, self.cfg, self.naive)
+        return Plan(prog, ops, removed)
 
 
 def _dkey(d: str) -> int:
@@ -767,11 +854,13 @@ def _release(s, i, last, alias, buffers, free, steps) -> None:
             del last[orig]
 
 
-def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
-    """Core split, tiles and loops of a kernel built around one PE-array matmul,
-    with the eager matmul builder's choices (``sim.kernels.default_matmul_split``
-    / ``default_matmul_tiles``): batch dims over cores first, then the output
-    plane (``n`` in whole sticks); ``k`` streamed through the LX in tiles.
+def _matmul_split(
+    mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, mn=None, lx_share: float = 0.5
+):
+    """Core split, tiles and loops of a kernel built around one PE-array matmul:
+    batch dims over cores first, then the output plane over ``mn`` = (pm, pn)
+    cores (``n`` in whole sticks; default: ``sim.kernels.default_matmul_split``);
+    ``k`` streamed through the LX in tiles (``default_matmul_tiles``).
     None when the shape is not (batch, rows, one n, k)."""
     from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
 
@@ -799,9 +888,14 @@ def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
             split[d] = (c, None)
         used *= c
     rest = cfg.cores // used
-    pm, pn = default_matmul_split(m, n, k, cfg.replace(cores=rest))[:2] if rest > 1 else (1, 1)
+    pk = 1
+    if mn is not None:
+        pm, pn = min(mn[0], rest, m), min(mn[1], max(1, rest // max(mn[0], 1)))
+        pk = mn[2] if len(mn) > 2 and len(kd) == 1 else 1
+    else:
+        pm, pn = default_matmul_split(m, n, k, cfg.replace(cores=rest))[:2] if rest > 1 else (1, 1)
     if nd in held:
-        pm, pn = min(rest, m), 1
+        pm, pn = min(rest, m) if mn is None else pm, 1
     row_split = next((d for d in rows if sizes[d] >= pm and d not in held), None)
     if row_split is not None and pm > 1:
         split[row_split] = (min(pm, sizes[row_split]), None)
@@ -817,7 +911,23 @@ def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
     if row_split is not None and row_split in split:
         em = m // sizes[row_split] * -(-sizes[row_split] // split[row_split][0])
     en = n_chunk or n
-    tm, tn, tk = default_matmul_tiles(em, en, k, dtype, True, cfg)
+    ek = k
+    if pk > 1:
+        # k over cores in whole sticks: per-core partial sums, combined by a
+        # ring all-reduce of each output tile before the epilogue
+        ek = ceil_div(ceil_div(k, pk), se) * se
+        pk = -(-k // ek)
+        if pk > 1:
+            split[kd[0]] = (pk, ek)
+            at = steps.index(mm) + 1
+            steps = [*steps[:at], RingAllReduce(mm.out, kd[0], "sum"), *steps[at:]]
+        else:
+            ek = k
+    # operand and accumulator tiles in ``lx_share`` of the LX (the rest for
+    # the epilogue), so ``_fit`` need not shrink the rows
+    tm, tn, tk = default_matmul_tiles(
+        em, en, ek, dtype, True, cfg.replace(lx_bytes=int(cfg.lx_bytes * lx_share))
+    )
     tiles = {d: sizes[d] for d in sizes}
     for d in batch:
         tiles[d] = 1
@@ -829,7 +939,7 @@ def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
         tiles[r0] = max(1, tm // max(inner, 1))
     tiles[nd] = sizes[nd] if nd in held else tn
     inner_k = kd[-1]
-    tiles[inner_k] = min(sizes[inner_k], tk)
+    tiles[inner_k] = min(sizes[inner_k] if pk == 1 else ek, tk)
     for d in kd[:-1]:
         tiles[d] = 1 if tk < sizes[inner_k] else max(1, tk // sizes[inner_k])
     others = [d for d in sorted(sizes, key=_dkey) if d not in (*batch, *rows, nd, *kd)]
@@ -838,7 +948,7 @@ def _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig):
     mm_steps = {
         i for i, s in enumerate(steps) if s is mm or (isinstance(s, Load) and s.buffer in mm_bufs)
     }
-    return split, tiles, loops, mm_steps
+    return split, tiles, loops, mm_steps, steps
 
 
 def _stream_rows(steps, buffers, reduced) -> set[int] | None:
@@ -868,8 +978,46 @@ def _stream_rows(steps, buffers, reduced) -> set[int] | None:
     return row
 
 
-def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -> Program:
-    """Core split and tiles for the fused kernel, checked against the LX."""
+#: plans by kernel structure: a model's layers repeat the same kernels, and
+#: the cost-model search over splits and tiles is the bulk of compile time
+_PLANS: dict[tuple, Program | Unsupported] = {}
+
+
+def _plan_dims(
+    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False
+) -> Program:
+    """``_search_plan``, memoised on everything it reads (the name aside)."""
+    key = (
+        tuple(steps),
+        tuple(buffers.items()),
+        tuple((u.name, u.role, u.layout) for u in ops),
+        tuple(sorted(sizes.items())),
+        frozenset(reduced),
+        cfg,
+        naive,
+    )
+    hit = _PLANS.get(key)
+    if hit is None:
+        try:
+            hit = _search_plan(name, steps, buffers, ops, sizes, reduced, cfg, naive)
+        except Unsupported as e:
+            hit = e
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = hit
+    if isinstance(hit, Unsupported):
+        raise Unsupported(str(hit))
+    return hit if hit.name == name else replace(hit, name=name)
+
+
+def _search_plan(
+    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False
+) -> Program:
+    """Core split and tiles for the fused kernel, checked against the LX.
+
+    A matmul kernel's split (and whether shared tiles are multicast), and a
+    row kernel's tile, are chosen by the timing model among candidates;
+    ``naive`` plans rows over cores with no operand reuse (for baselines)."""
     names = sorted(sizes, key=_dkey)
     loops = tuple(n for n in names if n not in reduced)
     # stick dims of stored operands: split over cores in whole sticks
@@ -909,12 +1057,116 @@ def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -
         d: (split[d][1] or -(-sizes[d] // split[d][0])) if d in split else sizes[d] for d in names
     }
     tiles = {d: ext[d] for d in names}
-    mm_steps: set[int] = set()
     mm = next((s for s in steps if isinstance(s, Matmul)), None)
+    # candidates: (split, tiles, loops, steps in the innermost loop, multicast)
+    cands: list[tuple] = [(split, tiles, loops, set(), steps, False)]
     if mm is not None:
-        planned = _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg)
-        if planned is not None:
-            split, tiles, loops, mm_steps = planned
+        mm_cands = []
+        for mn, mc in _matmul_choices(mm, steps, buffers, sizes, cfg, naive):
+            # tiles filling the whole LX (fewer operand re-reads) or half of it
+            # (room for a large epilogue); naive: half
+            for share in (0.5,) if naive else (1.0, 0.5):
+                planned = _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg, mn, share)
+                if planned is None:
+                    break
+                mm_cands.append((*planned, mc))
+        cands = mm_cands or cands
+    elif not naive:
+        cands += _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of)
+    best: tuple[float, Program] | None = None
+    error: ProgramError | None = None
+    for split_, tiles_, loops_, mm_steps, steps_, mc in cands:
+        try:
+            prog = _fit(
+                name, steps_, buffers, ops, sizes, reduced, cfg, names, stick_of,
+                split_, dict(tiles_), loops_, mm_steps, mc, mm is not None,
+            )  # fmt: skip
+        except ProgramError as e:
+            error = error or e
+            continue
+        if len(cands) == 1 or naive:  # naive: the first plan that fits
+            return prog
+        # the cost model decides among the candidates (closed form, ~1 ms each)
+        t = estimate(prog, cfg).time_s
+        if best is None or t < best[0]:
+            best = (t, prog)
+    if best is None:
+        raise Unsupported(str(error)) from None
+    return best[1]
+
+
+def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool):
+    """(pm, pn, pk) core splits of a matmul's rows, columns and contraction, and
+    whether tiles shared by a group of cores are read once and multicast over
+    the ring.
+
+    Naive: rows over the cores, no operand reuse.  Otherwise every split of
+    the cores left after the batch dims (powers of two, fewer cores included:
+    a small matmul loses more to replicated operand traffic than it gains; k
+    split over cores adds a ring all-reduce of each output tile), with and
+    without multicast; the cost model picks (``_plan_dims``)."""
+    a, b, o = (set(buffers[x].dims) for x in (mm.a, mm.b, mm.out))
+    batch = sorted(a & b & o, key=_dkey)
+    rows = sorted((a & o) - b, key=_dkey)
+    cols = sorted((b & o) - a, key=_dkey)
+    m = math.prod(sizes[d] for d in rows) if rows else 1
+    used = 1
+    for d in batch:
+        c = max(1, min(sizes[d], cfg.cores // used))
+        while (cfg.cores // used) % c:
+            c -= 1
+        used *= c
+    rest = cfg.cores // used
+    if naive:
+        # a core's 256 MiB address span may not cover a whole weight (a
+        # vocabulary projection's [N, K], K the stick dim): then k over the
+        # fewest cores whose share fits
+        pm = min(rest, m)
+        return [((pm, 1, 1 << i), False) for i in range(max(1, rest // pm).bit_length())]
+    if len(cols) != 1:
+        return [(None, True)]
+    held = cols[0] in {s.dim for s in steps if isinstance(s, Reduce)}
+    se = stick_elems(buffers[mm.a].dtype)
+    n_sticks = ceil_div(sizes[cols[0]], se)
+    kd = sorted((a & b) - o, key=_dkey)
+    k_sticks = ceil_div(sizes[kd[0]], se) if len(kd) == 1 else 1
+    pows = [1 << i for i in range(rest.bit_length()) if 1 << i <= rest]
+    out = []
+    for pm in pows:
+        for pn in pows:
+            for pk in pows:
+                if pm * pn * pk > rest or pm > m or pn > n_sticks or (held and pn > 1):
+                    continue
+                if pk > k_sticks:
+                    continue
+                out += [((pm, pn, pk), True), ((pm, pn, pk), False)]
+    return out or [(None, True)]
+
+
+def _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of):
+    """Smaller tiles of the outermost loop dim, so each core walks several
+    tiles and its loads, compute and stores overlap (a single tile per core
+    runs them one after another); the cost model picks (``_plan_dims``)."""
+    outer = [d for d in loops if d not in reduced]
+    if not outer:
+        return []
+    d = outer[0]
+    if stick_of.get(d):
+        return []
+    out = []
+    t = tiles[d]
+    while t > 1 and len(out) < 5:
+        t = ceil_div(t, 2)
+        out.append((split, {**tiles, d: t}, loops, set(), steps, False))
+    return out
+
+
+def _fit(
+    name, steps, buffers, ops, sizes, reduced, cfg, names, stick_of,
+    split, tiles, loops, mm_steps, multicast: bool, has_mm: bool,
+) -> Program:  # fmt: skip
+    """The program of one split: tiles shrunk until the working set fits half
+    the LX (rows streamed when they cannot), validated."""
 
     def build() -> Program:
         dims = tuple(
@@ -936,7 +1188,9 @@ def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -
             if isinstance(s, Load):
                 used = [d for d in s.index if d is not None]
                 last = max((lp.index(d) for d in used if d in lp), default=-1)
-                st.append(replace(s, loops=lp[: last + 1]))
+                # a tile shared by a group of cores: read once, all-gathered
+                shared = math.prod(split[d][0] for d in split if d not in used)
+                st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
             else:
                 st.append(replace(s, loops=lp))
         return Program(
@@ -950,7 +1204,9 @@ def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -
             loop_order=loops,
         )
 
-    budget = cfg.lx_bytes // 2
+    # a matmul kernel is the whole program on its cores: it may use all of
+    # the LX; other kernels leave half as headroom
+    budget = cfg.lx_bytes if has_mm else cfg.lx_bytes // 2
     prog = build()
     while sum(prog.lx_usage(cfg).values()) > budget:
         shrunk = False
@@ -970,7 +1226,7 @@ def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -
         if not shrunk:
             break
         prog = build()
-    if sum(prog.lx_usage(cfg).values()) > budget and mm is None and reduced:
+    if sum(prog.lx_usage(cfg).values()) > budget and not has_mm and reduced:
         streamed = _stream_rows(steps, buffers, reduced)
         if streamed is not None:
             # rows longer than the LX: walk the reduced dims in tiles too; a
@@ -987,8 +1243,5 @@ def _plan_dims(name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig) -
                 while sum(build().lx_usage(cfg).values()) > budget and tiles[d] > se:
                     tiles[d] = max(se, (tiles[d] // 2) // se * se)
             prog = build()
-    try:
-        prog.validate(cfg)
-    except ProgramError as e:
-        raise Unsupported(str(e)) from None
+    prog.validate(cfg)
     return prog

@@ -168,6 +168,7 @@ class SpyreGraphPass(CustomGraphModulePass):
             gm.recompile()
 
     def uuid(self) -> str:
-        from torch_spyre.compiler import backend_version
+        from torch_spyre.compiler import backend_version, options
 
-        return "torch_spyre.compiler:" + backend_version()
+        # planning options (naive plans, fewer cores) shape the code too
+        return "torch_spyre.compiler:" + backend_version() + ":" + options.current().key()

@@ -28,7 +28,7 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from torch_spyre.compiler import lowering
+from torch_spyre.compiler import lowering, options
 from torch_spyre.runtime import cards
 
 log = logging.getLogger("torch_spyre.compiler")
@@ -41,6 +41,11 @@ def _remember(plan: lowering.Plan) -> None:
     PLANS.append(plan)
     if len(PLANS) > 256:
         del PLANS[:128]
+
+
+def _planning_config():
+    """The card's config as the planner sees it (``options.planning(cores=...)``)."""
+    return options.planning_config(cards.config(0))
 
 
 def debug_enabled() -> bool:
@@ -223,6 +228,8 @@ class SpyreScheduling(BaseScheduling):
         return numel * rnumel
 
     def can_fuse_vertical(self, node1, node2) -> bool:
+        if not options.current().fuse:  # a baseline: one kernel per node
+            return False
         if not (self._plain(node1) and self._plain(node2)):
             return False
         # a consumer over the same elements, or over the rows a reduction made
@@ -231,6 +238,8 @@ class SpyreScheduling(BaseScheduling):
         return bool(t1 == t2 or t2 == n1 or node2.group[1][0] == n1)
 
     def can_fuse_horizontal(self, node1, node2) -> bool:
+        if not options.current().fuse:
+            return False
         if not (self._plain(node1) and self._plain(node2)):
             return False
         if node1.group[1] != node2.group[1]:
@@ -300,7 +309,7 @@ class SpyreScheduling(BaseScheduling):
         last kernel emitted: its epilogue (bias, activation, residual) is fused."""
         wrapper = V.graph.wrapper_code
         pending = getattr(wrapper, "_spyre_pending", None)
-        if not pending:
+        if not pending or not options.current().fuse:
             return None
         group = {n.get_name() for n in nodes}
         reads = {d.name for n in nodes for d in n.read_writes.reads}
@@ -322,7 +331,9 @@ class SpyreScheduling(BaseScheduling):
         return None
 
     def _plan(self, nodes, mm=None, commit: bool = True) -> lowering.Plan:
-        b = lowering.ProgramBuilder(_buffer_info, cards.config(0), _simplify)
+        b = lowering.ProgramBuilder(
+            _buffer_info, _planning_config(), _simplify, options.current().naive
+        )
         if mm is not None:
             _matmul_steps(b, mm.node)
         group = {n.get_name() for n in nodes}
@@ -599,7 +610,9 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
     def generate_extern_kernel_out(self, node) -> None:
         if getattr(node, "python_kernel_name", None) in _MATMULS:
             try:
-                b = lowering.ProgramBuilder(_buffer_info, cards.config(0), _simplify)
+                b = lowering.ProgramBuilder(
+                    _buffer_info, _planning_config(), _simplify, options.current().naive
+                )
                 names = _matmul_steps(b, node)
                 plan = b.finish(
                     f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",

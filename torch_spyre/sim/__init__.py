@@ -5,7 +5,14 @@ the runtime, so a real-card runtime can replace it behind the same calls.
 """
 
 from torch_spyre.sim import trace
-from torch_spyre.sim.card import CardStats, SimulatedCard, get_card, reset_cards
+from torch_spyre.sim.card import (
+    CardStats,
+    SimulatedCard,
+    get_card,
+    reset_cards,
+    timing_only,
+    timing_only_active,
+)
 from torch_spyre.sim.config import HardwareConfig, HardwareConfigError, parse_size
 from torch_spyre.sim.executor import execute
 from torch_spyre.sim.ops import register_op, register_reduction
@@ -55,5 +62,7 @@ __all__ = [
     "register_op",
     "register_reduction",
     "reset_cards",
+    "timing_only",
+    "timing_only_active",
     "trace",
 ]

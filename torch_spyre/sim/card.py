@@ -7,7 +7,10 @@ one ended.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +23,37 @@ from torch_spyre.sim.timing import KernelReport, estimate
 
 MAX_CARDS = 8
 TRANSFER_KINDS = ("h2d", "d2h", "d2d")
+
+_timing_only_depth = 0
+
+
+def timing_only_active() -> bool:
+    """True inside ``timing_only()`` or with ``TORCH_SPYRE_TIMING_ONLY=1``."""
+    return _timing_only_depth > 0 or os.environ.get("TORCH_SPYRE_TIMING_ONLY", "") not in (
+        "",
+        "0",
+    )
+
+
+@contextlib.contextmanager
+def timing_only() -> Iterator[None]:
+    """Kernel programs are validated, timed and traced, but not executed.
+
+    For performance studies of shapes too big to compute on the host (the
+    functional executor runs fp16 programs as fp32 torch ops): every
+    ``SimulatedCard.run`` with buffers skips the executor, so the clock,
+    profiler and reports are exactly those of a real run while output device
+    memory keeps whatever it held (unspecified values).  Transfers, host
+    fallbacks and copies still run.  Process-wide (all threads), nestable;
+    the environment variable ``TORCH_SPYRE_TIMING_ONLY=1`` turns it on for a
+    whole process.
+    """
+    global _timing_only_depth
+    _timing_only_depth += 1
+    try:
+        yield
+    finally:
+        _timing_only_depth -= 1
 
 
 @dataclass
@@ -67,14 +101,15 @@ class SimulatedCard:
         buffers: dict[str, torch.Tensor] | None = None,
         report: KernelReport | None = None,
     ) -> KernelReport:
-        """Validate, execute on ``buffers`` (None: time only), time, advance the clock.
+        """Validate, execute on ``buffers`` (None, or inside ``timing_only()``: time
+        only), time, advance the clock.
 
         ``report``: this card's ``estimate(program)``, when the caller cached it
         (eager ops launch the same program many times; keying the card's own
         cache serialises the program on every launch).
         """
         rep = report or self.estimate(program)
-        if buffers is not None:
+        if buffers is not None and not timing_only_active():
             execute(program, buffers, validate=False)
         with self._lock:
             start = self.clock_s

@@ -185,6 +185,9 @@ def _same_layout_elementwise(program: Program) -> Callable[[dict[str, torch.Tens
 def _load(program: Program, s: Load, buffers: dict[str, torch.Tensor]) -> _Value:
     op = program.operand(s.operand)
     host = op.layout.to_host(buffers[s.operand].view(op.layout.device_size))
+    if s.offsets:  # a sub-block of the operand
+        for k, (d, off) in enumerate(zip(s.index, s.offsets)):
+            host = host.narrow(k, off, 1 if d is None else program.dim(d).size)
     keep = [k for k, d in enumerate(s.index) if d is not None]
     host = host.reshape([host.shape[k] for k in keep])
     buf = program.buffer(s.buffer)

@@ -113,6 +113,13 @@ class Load:
     #: tile: each reads 1/group of it from device memory and the ring
     #: all-gathers the rest (less LPDDR5 traffic, more ring traffic)
     multicast: bool = False
+    #: first element read along each host dim of the operand (() = all 0):
+    #: the load reads a sub-block (a slice that is not one contiguous run of
+    #: sticks, e.g. the first n positions of every head of a KV cache); a dim
+    #: indexed by None then reads the one element at its offset.  The stick
+    #: dim's offset is whole sticks: the DMA engine moves sticks, it does not
+    #: shift lanes.
+    offsets: tuple[int, ...] = ()
     kind: Literal["load"] = "load"
 
 
@@ -289,12 +296,18 @@ class Program:
         """
         op = self.operand(operand)
         lay = op.layout
-        index = self._operand_index(operand)
+        step = self._operand_step(operand)
+        index = step.index if step is not None else None
+        offsets = getattr(step, "offsets", ()) or (0,) * len(lay.host_size)
         # host range of the core at grid coordinate 0 (the fullest one)
         ranges = []
         for k, h in enumerate(lay.host_size):
             d = index[k] if index else None
-            ranges.append((0, self.dim(d).core_extent) if d else (0, h))
+            o = offsets[k]
+            if d:
+                ranges.append((o, o + self.dim(d).core_extent))
+            else:
+                ranges.append((o, o + 1) if getattr(step, "offsets", ()) else (0, h))
         if not lay.host_size:
             return lay.nbytes
         lo = hi = 0
@@ -324,10 +337,10 @@ class Program:
             acc *= d.cores
         return group, stride
 
-    def _operand_index(self, operand: str) -> tuple[str | None, ...] | None:
+    def _operand_step(self, operand: str) -> Load | Store | None:
         for s in self.steps:
             if isinstance(s, Load | Store) and s.operand == operand:
-                return s.index
+                return s
         return None
 
     # ---------------------------------------------------------- validation
@@ -461,8 +474,27 @@ class Program:
                 f"{at}: index {list(s.index)} must name one dim per host dim of "
                 f"{op.name!r} {list(lay.host_size)}"
             )
+        offsets = getattr(s, "offsets", ())
+        if offsets and len(offsets) != len(lay.host_size):
+            raise ProgramError(
+                f"{at}: offsets {list(offsets)} must give one offset per host dim of "
+                f"{op.name!r} {list(lay.host_size)}"
+            )
         for k, d in enumerate(s.index):
-            if d is None:
+            off = offsets[k] if offsets else 0
+            n = 1 if d is None else self.dim(d).size
+            if offsets:
+                if off < 0 or off + n > lay.host_size[k]:
+                    raise ProgramError(
+                        f"{at}: host dim {k} of {op.name!r} has size {lay.host_size[k]}; "
+                        f"reading {n} elements from offset {off} runs past it"
+                    )
+                if k == lay.stick_dim and off % lay.stick_elems:
+                    raise ProgramError(
+                        f"{at}: offset {off} into the stick dim of {op.name!r} is not whole "
+                        f"sticks of {lay.stick_elems} elements (a DMA cannot shift lanes)"
+                    )
+            elif d is None:
                 if lay.host_size[k] != 1:
                     raise ProgramError(
                         f"{at}: host dim {k} of {op.name!r} has size {lay.host_size[k]}, not 1"
@@ -672,7 +704,8 @@ def _idx(index: tuple[str | None, ...]) -> str:
 def _step_text(s: Step) -> str:
     if isinstance(s, Load):
         mc = "   (multicast over the ring)" if s.multicast else ""
-        return f"load   {s.buffer} <- {s.operand}[{_idx(s.index)}]{mc}"
+        at = f" from {list(s.offsets)}" if any(s.offsets) else ""
+        return f"load   {s.buffer} <- {s.operand}[{_idx(s.index)}]{at}{mc}"
     if isinstance(s, Store):
         return f"store  {s.operand}[{_idx(s.index)}] <- {s.buffer}"
     if isinstance(s, Matmul):

@@ -157,12 +157,13 @@ def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
     se = lay.stick_elems
     stick_dim = lay.stick_dim if lay.host_size else -1
     # a size-1 (None) stick dim still costs one whole stick per row
+    offsets = getattr(s, "offsets", ()) or (0,) * len(s.index)
     for k, d in enumerate(s.index):
         if d is None:
             continue
         if k == stick_dim:
             t = p.dim(d).tile_size if d in s.loops else cv.extent[d]
-            sticks *= _stick_sum(cv.start[d], cv.extent[d], t, se)
+            sticks *= _stick_sum(cv.start[d] + offsets[k], cv.extent[d], t, se)
         else:
             sticks *= cv.dim_sum(s, d)
     transfers = math.prod(cv.tiles(d) for d in s.loops)

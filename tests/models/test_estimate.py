@@ -1,0 +1,195 @@
+"""`spyre estimate`: full-size models planned by the compiler on meta weights, timed only.
+
+The fast tests use a tiny Granite config (same code path as the 8B one); the
+slow test plans the real granite-3.3-8b and checks issue 7's acceptance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from torch_spyre.models import estimate as E
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+PROMPT, NEW = 64, 16
+_cache: dict[bool, E.Estimate] = {}
+
+
+def _tiny(timing_only: bool = True) -> E.Estimate:
+    if timing_only not in _cache:
+        _cache[timing_only] = E.estimate(
+            "granite-3.3-8b", prompt=PROMPT, new_tokens=NEW, overrides=TINY, timing_only=timing_only
+        )
+    return _cache[timing_only]
+
+
+def test_public_configs_give_the_published_parameter_counts():
+    """The table holds the checkpoints' config.json values: the meta models have
+    exactly the checkpoints' parameter counts."""
+    expected = {
+        "granite-3.3-8b": 8_170_864_640,
+        "qwen3-8b": 8_190_735_360,  # "8.2B" on the model card
+        "gemma-3-27b": 27_009_346_304,  # the language model of gemma-3-27b
+    }
+    import transformers
+
+    for name, n in expected.items():
+        cfg = E.model_config(name)
+        with torch.device("meta"):
+            m = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert sum(p.numel() for p in m.parameters()) == n, name
+    gemma = E.model_config("gemma-3-27b")
+    assert gemma.layer_types.count("full_attention") == 10
+    assert gemma.layer_types.count("sliding_attention") == 52
+    with pytest.raises(KeyError, match="known"):
+        E.model_config("nope-1b")
+
+
+def test_estimate_structure_and_sums():
+    est = _tiny()
+    assert est.layers == {"full_attention": 3}
+    assert est.cache_len == 128  # 64 + 16 rounded up to the 64-position bucket
+    for parts in (est.prefill, est.decode):
+        assert [p.name for p in parts] == [
+            "embedding + rotary tables",
+            "decoder layer (full_attention)",
+            "final norm + LM head",
+        ]
+        assert [p.count for p in parts] == [1, 3, 1]
+        for p in parts:
+            assert p.kernels, p.name
+            assert p.host_transfers == 0
+            assert math.isclose(p.time_s, sum(t for _, t in p.kernels) + p.copies_s)
+    assert math.isclose(est.prefill_s, sum(p.count * p.time_s for p in est.prefill))
+    assert math.isclose(est.decode_s, sum(p.count * p.time_s for p in est.decode))
+    assert est.host_fallbacks == 0
+    # a prefill of 64 tokens costs more than one decode step
+    assert est.prefill_s > est.decode_s > 0
+    # memory: fp16 weights of every parameter; KV cache of 3 layers x K and V
+    assert est.weights_bytes == 2 * est.params
+    assert est.kv_cache_bytes == 3 * 2 * 2 * est.cache_len * 64 * 2
+    assert est.memory_bytes == (
+        est.weights_bytes + est.extra_weight_bytes + est.kv_cache_bytes + est.activation_bytes
+    )
+    assert est.activation_bytes > 0
+    # floors: the modelled card cannot beat its own roofs
+    r = est.ratios()
+    assert r["decode_vs_sustained_bandwidth_floor"] > 1.0
+    assert r["prefill_vs_compute_floor"] > 1.0
+    d = est.to_json()
+    json.dumps(d)
+    assert d["ratios"] == r and d["fits"] is True
+    text = est.format()
+    assert "fits one card" in text and "decoder layer (full_attention)" in text
+
+
+def test_part_times_are_the_planned_programs_timings(monkeypatch):
+    """A part's time is the sum of the timing model's estimates of the kernel
+    programs launched during it (+ device copies); nothing else adds to it."""
+    from torch_spyre.runtime import cards
+    from torch_spyre.sim import SimulatedCard
+    from torch_spyre.sim import estimate as time_program
+
+    launched: list = []
+    run = SimulatedCard.run
+
+    def recording_run(self, program, buffers=None, report=None):
+        rep = run(self, program, buffers, report)
+        launched.append((program, rep.time_s))
+        return rep
+
+    monkeypatch.setattr(SimulatedCard, "run", recording_run)
+    est = E.estimate("granite-3.3-8b", prompt=32, new_tokens=8, overrides=TINY)
+    cfg = cards.config()
+    for program, t in launched:
+        assert math.isclose(t, time_program(program, cfg).time_s), program.name
+    # every part ran twice (compile + warm, then timed): the timed run is the second half
+    per_call = [t for _, t in launched]
+    parts = est.prefill + est.decode
+    i = 0
+    for p in parts:
+        n = len(p.kernels)
+        i += n  # the warm-up call launched the same programs
+        assert [name for name, _ in p.kernels] == [prog.name for prog, _ in launched[i : i + n]]
+        assert math.isclose(p.time_s - p.copies_s, sum(per_call[i : i + n]))
+        i += n
+    assert i == len(launched)
+
+
+def test_timing_only_gives_the_time_of_a_real_run():
+    fast, real = _tiny(True), _tiny(False)
+    for a, b in zip(fast.prefill + fast.decode, real.prefill + real.decode, strict=True):
+        assert a.name == b.name
+        assert a.kernels == b.kernels  # same programs, same modelled times
+        assert a.time_s == b.time_s
+
+
+def test_timing_only_does_not_compute_values():
+    from torch_spyre.sim import timing_only
+
+    f = torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False)
+    x = torch.ones(64, 128, dtype=torch.float16).to("spyre")
+    f(x)  # compile
+    clock = torch.spyre.modelled_time_s()
+    real = f(x)
+    t_real = torch.spyre.modelled_time_s() - clock
+    assert torch.equal(real.cpu(), torch.full((64, 128), 3.0, dtype=torch.float16))
+    with timing_only():
+        clock = torch.spyre.modelled_time_s()
+        out = f(x)
+        t_only = torch.spyre.modelled_time_s() - clock
+    assert t_only == t_real > 0
+    assert not torch.equal(out.cpu(), real.cpu())  # the kernel did not run
+
+
+def test_fits_follows_the_card_memory(monkeypatch):
+    est = _tiny()
+    assert est.fits
+    monkeypatch.setenv("TORCH_SPYRE_DEVICE_MEMORY", "1MiB")
+    small = E.estimate("granite-3.3-8b", prompt=PROMPT, new_tokens=NEW, overrides=TINY)
+    assert small.card_memory_bytes == 1 << 20
+    assert small.memory_bytes > 1 << 20 and not small.fits
+    assert "does NOT fit" in small.format()
+    assert small.decode_s == est.decode_s  # the plan does not depend on the capacity
+
+
+@pytest.mark.slow  # plans the real 8B layer: ~30 s
+def test_granite_8b_estimate_cli(tmp_path, capsys):
+    """Issue 7 acceptance: decode within 1.3x of the peak-bandwidth floor and
+    prefill within 1.5x of the compute floor, where met; where not,
+    docs/performance.md ("Model estimates") says what limits it and the
+    current figures are pinned here so that a regression fails."""
+    from torch_spyre import cli
+
+    out = tmp_path / "granite.json"
+    assert cli.main(["estimate", "granite-3.3-8b", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "granite-3.3-8b" in text and "fits one card" in text
+    d = json.loads(out.read_text())
+    assert d["params"] == 8_170_864_640 and d["host_fallbacks"] == 0
+    assert d["fits"] is True
+    # the physical floor of the acceptance line: ~80 ms/token at 204.8 GB/s
+    assert 79e-3 < d["decode_floor_s"] < 82e-3
+    r = d["ratios"]
+    # no plan beats the sustained LPDDR5 roof the simulator is calibrated to
+    # (dram_efficiency 0.582: 1.72x the peak floor)
+    assert r["decode_vs_sustained_bandwidth_floor"] >= 1.0
+    if r["decode_vs_peak_bandwidth_floor"] > 1.3:
+        # not met: the calibrated sustained bandwidth alone is 1.72x; the plan 2.51x
+        assert r["decode_vs_peak_bandwidth_floor"] <= 2.6
+        assert r["decode_vs_sustained_bandwidth_floor"] <= 1.5
+    if r["prefill_vs_compute_floor"] > 1.5:
+        # not met: unfused fp32 attention and activation re-lays (performance.md); 3.52x
+        assert r["prefill_vs_compute_floor"] <= 3.7

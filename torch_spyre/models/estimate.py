@@ -1,0 +1,655 @@
+"""Estimates for models too large to run here: planned by the real compiler, timed, not computed.
+
+``spyre estimate granite-3.3-8b`` builds the model from its public config
+values (``MODELS``: the Hugging Face ``config.json`` of each checkpoint) with
+the transformers config class, on the meta device (no weights), and plans it
+for the card through the real path: plain ``torch.compile`` (the spyre
+Inductor backend) of the stock transformers decoder layer, patched by the
+model's adapter (``torch_spyre.models.REGISTRY``).  The planned kernel
+programs then run inside ``torch_spyre.sim.timing_only()``: they are
+validated and timed by the simulator's timing model, launched through the
+runtime as in a real run, but their values are not computed (an 8B model's
+prefill is ~16 TFLOP: hours for the functional executor on two host cores).
+
+What is planned and how it adds up:
+
+* Every decoder layer of these models has the same shapes, so one layer per
+  *layer kind* is planned (Gemma-3: sliding-window and global attention
+  layers are two kinds; Granite and Qwen3: one) and its modelled time is
+  multiplied by the number of layers of that kind.
+* Prefill (``prompt`` tokens, batch 1): embedding lookup and rotary tables,
+  each layer (causal attention over the prompt, keys and values written into
+  the KV cache), final norm and LM head on the last position (the logits
+  generation needs).
+* Decode (one token at position ``prompt``): the same, each layer attending
+  over its static KV cache (``cache_len`` positions for global layers,
+  ``min(sliding_window, cache_len)`` for sliding ones, a ring buffer).
+* The parts are compiled and run once to compile and warm up, then once
+  more with the simulator's trace listening: a part's modelled time is the
+  sum of the kernel programs (and device copies) recorded during that call.
+
+The outer glue (embedding scale, final norm, LM head on the last position,
+logit scaling) is written out here after each architecture's ``forward``:
+compiling the whole stock model with a static cache does not plan yet (see
+docs/compiler.md), the decoder layer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+# --------------------------------------------------------------------- the models
+#: Public config values of the real checkpoints (their Hugging Face config.json).
+MODELS: dict[str, dict[str, Any]] = {
+    "granite-3.3-8b": {
+        "source": "ibm-granite/granite-3.3-8b-instruct config.json",
+        "config_class": "GraniteConfig",
+        "values": dict(
+            vocab_size=49159,
+            hidden_size=4096,
+            intermediate_size=12800,
+            num_hidden_layers=40,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=10000000.0,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=True,
+            attention_multiplier=0.0078125,
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            logits_scaling=16.0,
+        ),
+    },
+    "qwen3-8b": {
+        "source": "Qwen/Qwen3-8B config.json",
+        "config_class": "Qwen3Config",
+        "values": dict(
+            vocab_size=151936,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            hidden_act="silu",
+            attention_bias=False,
+            tie_word_embeddings=False,
+        ),
+    },
+    "gemma-3-27b": {
+        # the language model of the multimodal checkpoint (its text_config); the
+        # vision tower (~0.4B) is not part of a text estimate.  25.6B parameters
+        # in the decoder layers + 1.41B in the (tied) embedding.
+        "source": "google/gemma-3-27b-it config.json (text_config)",
+        "config_class": "Gemma3TextConfig",
+        "values": dict(
+            vocab_size=262208,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=62,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            query_pre_attn_scalar=168,
+            sliding_window=1024,
+            # sliding_window_pattern 6: five local layers, then one global
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(62)
+            ],
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"factor": 8.0, "rope_type": "linear"},
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    },
+}
+ALIASES = {
+    "granite": "granite-3.3-8b",
+    "granite-8b": "granite-3.3-8b",
+    "qwen3": "qwen3-8b",
+    "gemma3-27b": "gemma-3-27b",
+    "gemma-27b": "gemma-3-27b",
+}
+
+
+def model_config(name: str, **overrides: Any):
+    """The transformers config of ``name`` (a key of ``MODELS`` or an alias)."""
+    import transformers
+
+    key = ALIASES.get(name, name)
+    if key not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    spec = MODELS[key]
+    cls = getattr(transformers, spec["config_class"])
+    values = {**spec["values"], **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" in spec["values"]:
+        values.setdefault("layer_types", spec["values"]["layer_types"])
+        values["layer_types"] = values["layer_types"][: overrides["num_hidden_layers"]]
+    cfg = cls(**values)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+# ----------------------------------------------------------------------- results
+@dataclass
+class Part:
+    """One planned piece of a forward and what the card took for it."""
+
+    name: str
+    count: int  # how many times it runs per forward (layers of this kind)
+    time_s: float  # modelled time of one run
+    kernels: list[tuple[str, float]] = field(default_factory=list)  # (program, s)
+    copies_s: float = 0.0  # device copies (re-lays) inside the part
+    host_transfers: int = 0  # h2d/d2h transfers inside the part (fallbacks)
+    activation_bytes: int = 0  # peak device memory the call allocated
+
+    @property
+    def total_s(self) -> float:
+        return self.count * self.time_s
+
+
+@dataclass
+class Estimate:
+    model: str
+    source: str
+    config_class: str
+    dtype: str
+    params: int
+    embedding_params: int
+    tied_embeddings: bool
+    layers: dict[str, int]  # layer kind -> count
+    prompt_tokens: int
+    cache_len: int
+    prefill: list[Part]
+    decode: list[Part]
+    #: device memory (bytes)
+    weights_bytes: int
+    extra_weight_bytes: int  # copies the adapter keeps (chunked LM head) + tables
+    kv_cache_bytes: int
+    activation_bytes: int
+    card_memory_bytes: int
+    #: physical floors
+    peak_bandwidth_Bps: float
+    sustained_bandwidth_Bps: float
+    peak_flops: float
+    decode_bytes: int  # bytes a decode step must read: weights used + KV cache
+    prefill_flops: float
+    host_fallbacks: int
+    plan_wall_s: float
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(p.total_s for p in self.prefill)
+
+    @property
+    def decode_s(self) -> float:
+        return sum(p.total_s for p in self.decode)
+
+    @property
+    def memory_bytes(self) -> int:
+        return (
+            self.weights_bytes
+            + self.extra_weight_bytes
+            + self.kv_cache_bytes
+            + self.activation_bytes
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.card_memory_bytes
+
+    @property
+    def decode_floor_s(self) -> float:
+        """Bytes a decode step must read / peak LPDDR5 bandwidth (204.8 GB/s)."""
+        return self.decode_bytes / self.peak_bandwidth_Bps
+
+    @property
+    def decode_floor_sustained_s(self) -> float:
+        """The same at the sustained bandwidth the simulator is calibrated to."""
+        return self.decode_bytes / self.sustained_bandwidth_Bps
+
+    @property
+    def prefill_floor_s(self) -> float:
+        """Prefill FLOP / peak fp16 PE throughput."""
+        return self.prefill_flops / self.peak_flops
+
+    def ratios(self) -> dict[str, float]:
+        return {
+            "prefill_vs_compute_floor": self.prefill_s / self.prefill_floor_s,
+            "decode_vs_peak_bandwidth_floor": self.decode_s / self.decode_floor_s,
+            "decode_vs_sustained_bandwidth_floor": self.decode_s / self.decode_floor_sustained_s,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("prefill", "decode"):
+            for part, obj in zip(d[key], getattr(self, key), strict=True):
+                part["total_s"] = obj.total_s
+        d.update(
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            memory_bytes=self.memory_bytes,
+            fits=self.fits,
+            decode_floor_s=self.decode_floor_s,
+            decode_floor_sustained_s=self.decode_floor_sustained_s,
+            prefill_floor_s=self.prefill_floor_s,
+            ratios=self.ratios(),
+        )
+        return d
+
+    def format(self) -> str:
+        gb = 1e9
+        r = self.ratios()
+        kinds = ", ".join(f"{n} x {k}" for k, n in self.layers.items())
+        lines = [
+            f"{self.model}: {self.config_class} from {self.source}",
+            f"  {self.params / 1e9:.2f} B parameters ({self.embedding_params / 1e9:.2f} B embedding"
+            f"{', tied to the LM head' if self.tied_embeddings else ''}), {self.dtype} on the card;"
+            f" layers: {kinds}",
+            "",
+            f"  {'':34} {'modelled':>11} {'floor':>11} {'ratio':>6}  floor is",
+            f"  {f'prefill, {self.prompt_tokens} tokens':34} {self.prefill_s * 1e3:>8.1f} ms"
+            f" {self.prefill_floor_s * 1e3:>8.1f} ms {r['prefill_vs_compute_floor']:>5.2f}x"
+            f"  {self.prefill_flops / 1e12:.1f} TFLOP / {self.peak_flops / 1e12:.1f} TFLOP/s (PE peak)",
+            f"  {f'decode, per token (cache {self.cache_len})':34} {self.decode_s * 1e3:>8.1f} ms"
+            f" {self.decode_floor_s * 1e3:>8.1f} ms {r['decode_vs_peak_bandwidth_floor']:>5.2f}x"
+            f"  {self.decode_bytes / gb:.2f} GB / {self.peak_bandwidth_Bps / gb:.1f} GB/s"
+            " (LPDDR5 peak)",
+            f"  {'':34} {'':>11} {self.decode_floor_sustained_s * 1e3:>8.1f} ms"
+            f" {r['decode_vs_sustained_bandwidth_floor']:>5.2f}x"
+            f"  {self.decode_bytes / gb:.2f} GB / {self.sustained_bandwidth_Bps / gb:.1f} GB/s"
+            " (sustained, sim calibration)",
+            "",
+            f"  device memory: weights {self.weights_bytes / gb:.2f} GB + adapter copies"
+            f" {self.extra_weight_bytes / gb:.2f} GB + KV cache {self.kv_cache_bytes / gb:.2f} GB"
+            f" + activations {self.activation_bytes / gb:.2f} GB = {self.memory_bytes / gb:.2f} GB"
+            f" of {self.card_memory_bytes / gb:.2f} GB: "
+            + ("fits one card" if self.fits else "does NOT fit one card"),
+            "",
+            "  part                                   x  prefill ms   decode ms  kernels",
+        ]
+        dec = {p.name: p for p in self.decode}
+        for p in self.prefill:
+            d = dec.get(p.name)
+            lines.append(
+                f"  {p.name:<36} {p.count:>3} {p.total_s * 1e3:>11.3f} "
+                f"{(d.total_s * 1e3 if d else float('nan')):>11.3f}  "
+                f"{len(p.kernels)} / {len(d.kernels) if d else 0}"
+            )
+        lines.append(
+            f"  planned in {self.plan_wall_s:.0f} s wall (compile + timing-only runs);"
+            f" host fallbacks: {self.host_fallbacks}"
+        )
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the planning
+class _LayerCache:
+    """One layer's static KV cache, as a decoder layer's attention sees it.
+
+    ``update`` writes the new keys/values at ``positions`` (in place, in device
+    memory: ``index_copy_``, the device's DMA kernel) and returns what the
+    attention attends over: the whole static cache (decode) or the new keys
+    and values (prefill: causal attention over the prompt).
+    """
+
+    def __init__(self, keys, values, positions, whole: bool):
+        self.keys, self.values, self.positions, self.whole = keys, values, positions, whole
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        self.keys.index_copy_(2, self.positions, key_states)
+        self.values.index_copy_(2, self.positions, value_states)
+        if self.whole:
+            return self.keys, self.values
+        return key_states, value_states
+
+
+def _layer_kinds(cfg) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    return list(types) if types else ["full_attention"] * cfg.num_hidden_layers
+
+
+def _materialise(module: nn.Module, device: str) -> None:
+    """Meta parameters/buffers become uninitialised device memory (never touched
+    in timing-only mode), real ones are copied; tied tensors stay tied."""
+    memo: dict[int, torch.Tensor] = {}
+    keep: list[torch.Tensor] = []  # the originals stay alive: their ids stay unique
+
+    def move(t: torch.Tensor, param: bool) -> torch.Tensor:
+        got = memo.get(id(t))
+        if got is None:
+            keep.append(t)
+            got = torch.empty(t.shape, dtype=t.dtype, device=device) if t.is_meta else t.to(device)
+            if param:
+                got = nn.Parameter(got, requires_grad=False)
+            memo[id(t)] = got
+        return got
+
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = move(p, True)  # type: ignore[assignment]
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = move(b, False)
+
+
+class _Recorder:
+    """Kernel and transfer records of the simulator's trace during one call."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def __enter__(self) -> _Recorder:
+        from torch_spyre.sim import trace
+
+        trace.add_listener(self.records.append)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torch_spyre.sim import trace
+
+        trace.remove_listener(self.records.append)
+
+
+def _run_part(name: str, count: int, fn: Callable[[], Any]) -> tuple[Part, Any]:
+    """Call ``fn`` twice (compile + warm, then timed); the part is the second call.
+
+    Returns the part and the second call's output."""
+    from torch_spyre.sim import KernelRecord
+
+    with torch.no_grad():
+        fn()
+        torch.spyre.synchronize()
+        before = torch.spyre.memory_allocated()
+        torch.spyre.reset_peak_memory_stats()
+        clock = torch.spyre.modelled_time_s()
+        with _Recorder() as rec:
+            out = fn()
+        elapsed = torch.spyre.modelled_time_s() - clock
+        act = torch.spyre.max_memory_allocated() - before
+    part = Part(name, count, 0.0, activation_bytes=max(act, 0))
+    for r in rec.records:
+        if isinstance(r, KernelRecord):
+            part.kernels.append((r.name, r.time_s))
+        elif r.kind == "d2d":
+            part.copies_s += r.time_s
+        else:
+            part.host_transfers += 1
+            part.copies_s += r.time_s
+    part.time_s = sum(t for _, t in part.kernels) + part.copies_s
+    if not math.isclose(part.time_s, elapsed, rel_tol=1e-6, abs_tol=1e-12):
+        raise RuntimeError(
+            f"estimate {name}: recorded {part.time_s:.6g} s but the card's clock moved "
+            f"{elapsed:.6g} s (something ran outside the trace)"
+        )
+    return part, out
+
+
+def _matmul_params(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def estimate(
+    name: str,
+    *,
+    prompt: int = 1024,
+    new_tokens: int = 128,
+    bucket: int = 64,
+    dtype: torch.dtype = torch.float16,
+    overrides: dict[str, Any] | None = None,
+    config: Any = None,
+    timing_only: bool = True,
+) -> Estimate:
+    """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
+    decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
+    positions rounded up to ``bucket``).
+
+    ``overrides``: config values to change (e.g. a tiny test model);
+    ``config``: a ready transformers config instead of ``MODELS[name]``;
+    ``timing_only=False`` computes the values too (small models only).
+    """
+    import transformers
+
+    import torch_spyre
+    from torch_spyre import models
+    from torch_spyre.runtime import cards, dispatch_stats
+    from torch_spyre.sim import HardwareConfig
+    from torch_spyre.sim import timing_only as timing_only_mode
+
+    t_wall = time.perf_counter()
+    key = ALIASES.get(name, name)
+    cfg = config if config is not None else model_config(key, **(overrides or {}))
+    cfg._attn_implementation = "sdpa"
+    spec = MODELS.get(key, {"source": "given config", "config_class": type(cfg).__name__})
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    # the whole model on the meta device: exact parameter counts, no weights
+    with torch.device("meta"):
+        full = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    tied = full.get_output_embeddings().weight is full.get_input_embeddings().weight
+    params = sum(p.numel() for p in full.parameters())  # tied weights once
+    emb_params = full.get_input_embeddings().weight.numel()
+    layer_kinds = _layer_kinds(cfg)
+    counts = Counter(layer_kinds)
+    kinds = sorted(counts)
+    first = {k: layer_kinds.index(k) for k in kinds}
+    layer_mm = {k: _matmul_params(full.model.layers[first[k]]) for k in kinds}
+    lm_head_params = full.get_output_embeddings().weight.numel()
+    del full
+
+    # one layer per kind (+ embedding, final norm, LM head), patched by the adapter
+    small_cfg = copy.deepcopy(cfg)
+    small_cfg.num_hidden_layers = len(kinds)
+    if getattr(cfg, "layer_types", None):
+        small_cfg.layer_types = list(kinds)
+    cache_len = -(-(prompt + new_tokens) // bucket) * bucket
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(small_cfg, dtype=dtype)
+    model.eval()
+    base = model.model
+    # rotary tables are computed on the host (tabulate_rotary): a real module for that
+    rot_attr = "rotary_emb"
+    with torch.device("cpu"):
+        setattr(base, rot_attr, type(getattr(base, rot_attr))(config=small_cfg))
+    opts = models.PrepareOptions(max_positions=cache_len)
+    adapter = models.adapter_for(small_cfg)
+    applied = []
+    for patch in adapter.patches if adapter else ():
+        what = patch(model, opts)
+        if what:
+            applied.append(what)
+    head = model.get_output_embeddings()
+    # the chunked LM head keeps its chunks as copies of the weight (patches.ChunkedLinear)
+    extra = sum(b.numel() * b.element_size() for b in model.buffers())
+    _materialise(model, "spyre")
+    rot = getattr(base, rot_attr)
+    head = model.get_output_embeddings()
+
+    hidden = cfg.hidden_size
+    n_kv = cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    window = getattr(cfg, "sliding_window", None)
+
+    def kv_len(kind: str) -> int:
+        return min(window, cache_len) if kind == "sliding_attention" and window else cache_len
+
+    emb_mult = getattr(cfg, "embedding_multiplier", None)
+    logit_div = getattr(cfg, "logits_scaling", None)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def embed_step(ids, pos):
+        h = base.embed_tokens(ids)
+        if emb_mult is not None:
+            h = h * emb_mult
+        tables = []
+        for kind in kinds:
+            cs = rot(h, pos, kind) if getattr(rot, "layer_types", None) else rot(h, pos)
+            tables.extend(cs)
+        return h, *tables
+
+    def head_step(h):
+        x = base.norm(h[:, -1:, :])
+        # a chunked LM head (patches.ChunkedLinear) returns its chunks' logits
+        # unconcatenated: a cat along the stick dim does not plan yet
+        # (docs/compiler.md "Lane shuffles"); the cat is a ~vocab x 2 B copy
+        n = getattr(head, "n_chunks", None)
+        if n is None:
+            parts = [head(x)]
+        else:
+            parts = [
+                nn.functional.linear(x, getattr(head, f"w{i}"), getattr(head, f"b{i}"))
+                for i in range(n)
+            ]
+        out = []
+        for logits in parts:
+            if logit_div is not None:
+                logits = logits / logit_div
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            out.append(logits)
+        return tuple(out)
+
+    def layer_step(layer, whole):
+        def step(h, cos, sin, positions, keys, values, mask):
+            cache = _LayerCache(keys, values, positions, whole)
+            return layer(h, position_embeddings=(cos, sin), attention_mask=mask, cache=cache)
+
+        return torch.compile(step, fullgraph=True, dynamic=False)
+
+    def compiled(fn):
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+
+    dev = torch.device("spyre")
+    neg = torch.finfo(dtype).min
+    kv_bytes = 0
+    act = 0
+    prefill_parts: list[Part] = []
+    decode_parts: list[Part] = []
+    torch_spyre.reset_fallback_counts()
+    dispatch_stats.reset("fallback")
+    ctx = timing_only_mode() if timing_only else contextlib.nullcontext()
+    dyn_cfg = torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
+    with ctx, dyn_cfg:
+        for phase, tokens in (("prefill", prompt), ("decode", 1)):
+            parts = prefill_parts if phase == "prefill" else decode_parts
+            start = 0 if phase == "prefill" else prompt
+            ids = torch.zeros(1, tokens, dtype=torch.long).to(dev)
+            pos_h = torch.arange(start, start + tokens)
+            pos = pos_h[None].to(dev)
+            emb = compiled(embed_step)
+            part, outs = _run_part(
+                "embedding + rotary tables", 1, lambda e=emb, i=ids, p=pos: e(i, p)
+            )
+            parts.append(part)
+            h, tables = outs[0], outs[1:]
+            for i, kind in enumerate(kinds):
+                cos, sin = tables[2 * i], tables[2 * i + 1]
+                length = kv_len(kind)
+                keys = torch.empty(1, n_kv, length, head_dim, dtype=dtype, device=dev)
+                values = torch.empty(1, n_kv, length, head_dim, dtype=dtype, device=dev)
+                if phase == "decode":
+                    kv_bytes += counts[kind] * 2 * keys.numel() * itemsize
+                    slot = pos_h % length
+                    valid = torch.arange(length) <= min(start, length - 1)
+                    m = torch.zeros(1, 1, 1, length, dtype=dtype).masked_fill(~valid, neg)
+                    mask: torch.Tensor | None = m.to(dev)
+                else:
+                    slot = pos_h % length
+                    mask = None  # causal (is_causal) over the prompt
+                    if kind == "sliding_attention" and window and tokens > window:
+                        q = torch.arange(tokens)[:, None]
+                        k = torch.arange(tokens)[None, :]
+                        ok = (k <= q) & (q - k < window)
+                        mask = (
+                            torch.zeros(1, 1, tokens, tokens, dtype=dtype)
+                            .masked_fill(~ok, neg)
+                            .to(dev)
+                        )
+                    if tokens > length:
+                        raise NotImplementedError(
+                            f"a {tokens}-token prompt is longer than the {length}-position cache"
+                        )
+                slot_d = slot.to(dev)
+                fn = layer_step(base.layers[i], whole=phase == "decode")
+                label = f"decoder layer ({kind})"
+                parts.append(
+                    _run_part(
+                        label,
+                        counts[kind],
+                        lambda fn=fn, h=h, c=cos, s=sin, p=slot_d, k=keys, v=values, m=mask: fn(
+                            h, c, s, p, k, v, m
+                        ),
+                    )[0]
+                )
+                del keys, values
+            hs = compiled(head_step)
+            parts.append(_run_part("final norm + LM head", 1, lambda f=hs, h=h: f(h))[0])
+            act = max(act, *(p.activation_bytes for p in parts))
+    fallbacks = sum(int(v) for v in torch_spyre.fallback_counts().values())
+
+    card_cfg = HardwareConfig.from_env()  # TORCH_SPYRE_DEVICE_MEMORY etc., read now
+    run_cfg = cards.config()
+    weights = params * itemsize
+    # decode reads every weight once, except an untied input embedding (one row)
+    decode_weights = weights - (0 if tied else emb_params * itemsize)
+    kv_read = sum(
+        counts[k] * 2 * n_kv * min(prompt + 1, kv_len(k)) * head_dim * itemsize for k in kinds
+    )
+    # prefill FLOP: 2 x tokens x matmul weights, causal attention (QK^T and PV over
+    # the (query, key) pairs each layer attends), the LM head on the last position
+    flops = 0.0
+    for k in kinds:
+        w = window if (k == "sliding_attention" and window) else prompt
+        pairs = sum(min(i + 1, w) for i in range(prompt))
+        flops += counts[k] * (
+            2 * prompt * layer_mm[k] + 4 * pairs * head_dim * cfg.num_attention_heads
+        )
+    flops += 2 * lm_head_params
+    est = Estimate(
+        model=key,
+        source=spec["source"],
+        config_class=spec["config_class"],
+        dtype=str(dtype).replace("torch.", ""),
+        params=params,
+        embedding_params=emb_params,
+        tied_embeddings=tied,
+        layers=dict(counts),
+        prompt_tokens=prompt,
+        cache_len=cache_len,
+        prefill=prefill_parts,
+        decode=decode_parts,
+        weights_bytes=weights,
+        extra_weight_bytes=extra,
+        kv_cache_bytes=kv_bytes,
+        activation_bytes=act,
+        card_memory_bytes=card_cfg.device_memory_bytes,
+        peak_bandwidth_Bps=run_cfg.memory_bandwidth_Bps,
+        sustained_bandwidth_Bps=run_cfg.sustained_bandwidth_Bps,
+        peak_flops=run_cfg.peak_flops(torch.float16),
+        decode_bytes=decode_weights + kv_read,
+        prefill_flops=flops,
+        host_fallbacks=fallbacks,
+        plan_wall_s=time.perf_counter() - t_wall,
+    )
+    return est
