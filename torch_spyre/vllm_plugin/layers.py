@@ -1,0 +1,200 @@
+"""Spyre implementations of vLLM's layers (out-of-tree CustomOp / PluggableLayer).
+
+Registered by the ``vllm.general_plugins`` entry point (``register``) so that
+every process that builds a model instantiates these classes in place of vLLM's:
+
+| vLLM class | mechanism | what runs on the card |
+|---|---|---|
+| RMSNorm | CustomOp.forward_oot | fp32 mean of squares, rsqrt, scale (+ fused residual add) |
+| SiluAndMul | CustomOp.forward_oot | silu(gate) * up |
+| RotaryEmbedding | CustomOp.forward_oot | cos/sin rows gathered by position, neox rotation |
+| Replicated/Column/MergedColumn/QKV/RowParallelLinear | PluggableLayer | one matmul (F.linear) |
+| VocabParallelEmbedding, ParallelLMHead | PluggableLayer | embedding gather; the LM head matmul |
+| LogitsProcessor | PluggableLayer | the head, then the one device->host copy of the logits |
+
+All run as eager spyre kernels (``torch_spyre/ops``): the compiled path
+(``torch.compile`` to the spyre Inductor backend) is not validated for whole
+models yet (docs/models.md), so the plugin does not use it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+
+SPYRE = torch.device("spyre")
+HOST = torch.device("cpu")
+
+
+def _on_card(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.device.type != "spyre":
+        raise RuntimeError(
+            f"spyre vLLM plugin: {what} is on {x.device}, expected spyre "
+            "(the model runner moves weights and inputs to the card; was the "
+            "model loaded by SpyreModelRunner?)"
+        )
+    return x
+
+
+class SpyreRMSNorm(RMSNorm):
+    def forward_oot(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.variance_size_override is not None:
+            return self.forward_native(x, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = h.to(dtype)
+        if self.has_weight:
+            h = h * self.weight
+        return h if residual is None else (h, residual)
+
+
+class SpyreSiluAndMul(SiluAndMul):
+    def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class SpyreRotaryEmbedding(RotaryEmbedding):
+    def forward_oot(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.is_neox_style or self.rotary_dim != self.head_size:
+            # GPT-J interleaving / partial rotary: vLLM's reference formula.
+            return self.forward_native(positions, query, key)
+        cache = self._match_cos_sin_cache_dtype(query)
+        # The table (computed once on the host at load, moved with the weights)
+        # gathered by position: two DMA gathers instead of sin/cos on the card.
+        cos, sin = cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :]
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            shape = x.shape
+            x = x.view(x.shape[0], -1, self.head_size)
+            x1, x2 = x.chunk(2, dim=-1)
+            return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).reshape(shape)
+
+        return rotate(query), None if key is None else rotate(key)
+
+
+class SpyreLinearMethod(UnquantizedLinearMethod):
+    """Unquantized linear on the card: one matmul kernel (bias in its epilogue)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(_on_card(x, "a linear layer's input"), layer.weight, bias)
+
+
+class SpyreEmbeddingMethod(UnquantizedEmbeddingMethod):
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(_on_card(x, "the LM head's input"), layer.weight, bias)
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_.to(layer.weight.device), layer.weight)
+
+
+def _swap_quant_method(layer: torch.nn.Module, unquantized: type, spyre: type) -> None:
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return
+    if type(qm) is not unquantized:
+        raise NotImplementedError(
+            f"{type(layer).__name__}: quantization method {type(qm).__name__} is not "
+            "supported on spyre (unquantized fp32/fp16/bf16 weights only)"
+        )
+    layer.quant_method = spyre()
+
+
+def _linear_class(base: type) -> type:
+    def __init__(self, *args, **kwargs):  # noqa: N807 - a method for type()
+        base.__init__(self, *args, **kwargs)
+        _swap_quant_method(self, UnquantizedLinearMethod, SpyreLinearMethod)
+
+    return type(f"Spyre{base.__name__}", (base,), {"__init__": __init__})
+
+
+class SpyreVocabParallelEmbedding(VocabParallelEmbedding):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_quant_method(self, UnquantizedEmbeddingMethod, SpyreEmbeddingMethod)
+
+
+class SpyreParallelLMHead(ParallelLMHead):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _swap_quant_method(self, UnquantizedEmbeddingMethod, SpyreEmbeddingMethod)
+
+
+class SpyreLogitsProcessor(LogitsProcessor):
+    """The LM head on the card; the logits come back to the host for the sampler."""
+
+    def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
+        logits = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        return None if logits is None else logits.to(HOST)
+
+
+CUSTOM_OPS: dict[str, type] = {
+    "RMSNorm": SpyreRMSNorm,
+    "SiluAndMul": SpyreSiluAndMul,
+    "RotaryEmbedding": SpyreRotaryEmbedding,
+}
+PLUGGABLE_LAYERS: dict[str, type] = {
+    **{
+        base.__name__: _linear_class(base)
+        for base in (
+            ReplicatedLinear,
+            ColumnParallelLinear,
+            MergedColumnParallelLinear,
+            QKVParallelLinear,
+            RowParallelLinear,
+        )
+    },
+    "VocabParallelEmbedding": SpyreVocabParallelEmbedding,
+    "ParallelLMHead": SpyreParallelLMHead,
+    "LogitsProcessor": SpyreLogitsProcessor,
+}
+
+
+def register() -> None:
+    """Register every class above with vLLM (idempotent: plugins load per process)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    for name, cls in CUSTOM_OPS.items():
+        if op_registry_oot.get(name) is not cls:
+            CustomOp.register_oot(cls, name=name)
+    for name, cls in PLUGGABLE_LAYERS.items():
+        if op_registry_oot.get(name) is not cls:
+            PluggableLayer.register_oot(cls, name=name)

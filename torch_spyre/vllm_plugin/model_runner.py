@@ -1,0 +1,165 @@
+"""SpyreModelRunner: vLLM's CPU model runner with the model and KV cache on the card.
+
+vLLM's runner logic (input batch, scheduling output, block tables, sampling) is
+reused from ``CPUModelRunner`` and stays on the host. What changes:
+
+* ``load_model``: the model is built and loaded on the host by vLLM's loader
+  (with the spyre layers of layers.py), then moved to ``spyre``: every weight and
+  buffer (rotary table included) lives in device memory. A forward pre-hook moves
+  the step's token ids and positions to the card.
+* ``initialize_kv_cache_tensors``: one paged KV tensor per attention layer in
+  device memory, in the layout of attention.py.
+* every step's modelled device time (``torch.spyre.modelled_time_s``) is logged
+  and exported as Prometheus metrics (metrics.py).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.utils import bind_kv_cache
+
+from torch_spyre.vllm_plugin import metrics
+
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
+
+SPYRE = torch.device("spyre")
+
+
+def _inputs_to_card(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: the step's host tensors (ids, positions) go to the card."""
+    moved = {
+        k: v.to(SPYRE) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+        for k, v in kwargs.items()
+    }
+    args = tuple(a.to(SPYRE) if isinstance(a, torch.Tensor) else a for a in args)
+    return args, moved
+
+
+class SpyreModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.step_stats = metrics.StepStats()
+        self._step_start: tuple[float, float] | None = None
+        self._step_tokens = 0
+        self._step_reqs = 0
+
+    # -- model ------------------------------------------------------------------
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        super().load_model(load_dummy_weights)
+        before = torch.spyre.memory_allocated()
+        t0 = time.perf_counter()
+        self.model.to(SPYRE)
+        self._check_on_card(self.model)
+        self.model.register_forward_pre_hook(_inputs_to_card, with_kwargs=True)
+        logger.info(
+            "spyre: model moved to the card: %.1f MiB of weights in device memory (%.1f s)",
+            (torch.spyre.memory_allocated() - before) / 2**20,
+            time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _check_on_card(model: torch.nn.Module) -> None:
+        stray = [
+            name
+            for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.device.type != "spyre" and t.numel() > 1
+        ]
+        if stray:
+            raise RuntimeError(f"spyre: tensors left off the card after .to('spyre'): {stray[:5]}")
+
+    # -- KV cache ---------------------------------------------------------------
+    def initialize_kv_cache_tensors(
+        self,
+        kv_cache_config: KVCacheConfig,
+        kernel_block_sizes: list[int],
+        kv_cache_allocation_context: AbstractContextManager | None = None,
+    ) -> dict[str, torch.Tensor]:
+        from torch_spyre.vllm_plugin.attention import SpyreAttentionBackend
+
+        before = torch.spyre.memory_allocated()
+        kv_caches: dict[str, torch.Tensor] = {}
+        num_blocks = kv_cache_config.num_blocks
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec):
+                raise NotImplementedError(
+                    f"spyre: KV cache group of type {type(spec).__name__} is not supported"
+                )
+            if kernel_block_sizes and kernel_block_sizes[gid] != spec.block_size:
+                raise NotImplementedError(
+                    f"spyre: kernel block size {kernel_block_sizes[gid]} != block size "
+                    f"{spec.block_size}"
+                )
+            shape = SpyreAttentionBackend.get_kv_cache_shape(
+                num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+            )
+            for name in group.layer_names:
+                if name in self.shared_kv_cache_layers:
+                    continue
+                kv_caches[name] = torch.zeros(shape, dtype=spec.dtype, device=SPYRE)
+        for name, target in self.shared_kv_cache_layers.items():
+            kv_caches[name] = kv_caches[target]
+        bind_kv_cache(
+            kv_caches,
+            self.compilation_config.static_forward_context,
+            self.kv_caches,
+            kv_cache_groups=kv_cache_config.kv_cache_groups,
+        )
+        first = next(iter(kv_caches.values()), None)
+        logger.info(
+            "spyre: paged KV cache in device memory: %d layers x %d blocks of %d tokens, "
+            "%.1f MiB; per layer %s = [k/v, block, token, kv_head, head_dim]",
+            len(kv_caches),
+            num_blocks,
+            kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
+            (torch.spyre.memory_allocated() - before) / 2**20,
+            None if first is None else list(first.shape),
+        )
+        return kv_caches
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        # Layout [2, num_blocks, ...]: the block is dim 1 (CPUModelRunner assumes 0).
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=SPYRE)
+        seen: set[int] = set()
+        for kv in self.kv_caches:
+            if kv.data_ptr() in seen:
+                continue
+            seen.add(kv.data_ptr())
+            kv.index_fill_(1, idx, 0)
+
+    # -- per-step modelled time -------------------------------------------------
+    def execute_model(self, scheduler_output, *args: Any, **kwargs: Any):
+        self._step_start = (torch.spyre.modelled_time_s(), time.perf_counter())
+        self._step_tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_reqs = len(scheduler_output.num_scheduled_tokens)
+        out = super().execute_model(scheduler_output, *args, **kwargs)
+        if out is not None:  # no sampling follows (e.g. nothing scheduled)
+            self._end_step()
+        return out
+
+    def sample_tokens(self, *args: Any, **kwargs: Any):
+        out = super().sample_tokens(*args, **kwargs)
+        self._end_step()
+        return out
+
+    def _end_step(self) -> None:
+        if self._step_start is None or self._step_tokens == 0:
+            self._step_start = None
+            return
+        mod0, wall0 = self._step_start
+        self._step_start = None
+        self.step_stats.record(
+            tokens=self._step_tokens,
+            reqs=self._step_reqs,
+            modelled_s=torch.spyre.modelled_time_s() - mod0,
+            wall_s=time.perf_counter() - wall0,
+        )

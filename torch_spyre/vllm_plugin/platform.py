@@ -1,0 +1,176 @@
+"""SpyrePlatform: what vLLM asks a platform (device, worker, attention, config).
+
+Towards vLLM the platform is an out-of-tree platform whose ``device_type`` is
+"cpu", as IBM's Spyre plugins do: vLLM's scheduler, input batch, block tables and
+sampler keep their tensors on the host, and the worker moves what the model needs
+(weights, paged KV cache, token ids, positions, attention indices) to ``spyre``
+where the layers run (model_runner.py, layers.py, attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
+
+
+def _guard_accelerator_caches() -> None:
+    """vLLM's shutdown calls ``torch.accelerator.empty_cache()`` and
+    ``empty_host_cache()``. With spyre as the current accelerator (torch 2.13.0,
+    this runtime) the first raises "Allocator for spyre is not a DeviceAllocator"
+    and the second segfaults once a spyre tensor has been used (reproduced in a
+    bare process: ``x = torch.ones(4).to("spyre"); torch.accelerator.empty_host_cache()``).
+    Route the first to ``torch.spyre.empty_cache`` and make the second a no-op
+    (the simulated card has no pinned host cache). To be fixed in the runtime."""
+    if getattr(torch.accelerator, "_spyre_guarded", False):
+        return
+    acc = torch.accelerator.current_accelerator()
+    if acc is not None and acc.type == "spyre":
+        torch.accelerator.empty_cache = torch.spyre.empty_cache
+        torch.accelerator.empty_host_cache = lambda: None
+        torch.accelerator._spyre_guarded = True
+
+
+_guard_accelerator_caches()
+
+SPYRE = "spyre"
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: small pages suit short test/served prompts
+
+
+class SpyrePlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = SPYRE
+    device_type: str = "cpu"  # vLLM's bookkeeping tensors stay on the host
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    ray_device_key: str = ""
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.float16, torch.bfloat16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"spyre (simulated card {device_id})"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return int(torch.spyre.get_device_properties(device_id).total_memory)
+
+    @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        return float(torch.spyre.memory_allocated())
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        # vLLM passes its (host) device; the spyre card is selected by the worker.
+        return None
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.spyre.manual_seed_all(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # The pure-Python vLLM build has no vllm._C; nothing here needs it.
+        return None
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if getattr(attn_selector_config, "use_mla", False):
+            raise NotImplementedError("MLA attention is not supported on spyre")
+        if getattr(attn_selector_config, "use_sparse", False):
+            raise NotImplementedError("sparse attention is not supported on spyre")
+        from torch_spyre.vllm_plugin.attention import register_backend
+
+        if selected_backend is not None and selected_backend.name != "CUSTOM":
+            logger.info(
+                "spyre: ignoring attention backend %s, using spyre attention", selected_backend
+            )
+        return register_backend()
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """vLLM's Triton helper kernels as pure torch (the empty build has no Triton)."""
+        from vllm.triton_utils.dispatcher import register_kernels
+
+        from torch_spyre.vllm_plugin import kernels
+
+        register_kernels(kernels.OVERRIDES)
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode
+        from vllm.config.compilation import CUDAGraphMode
+
+        parallel = vllm_config.parallel_config
+        if parallel.world_size > 1:
+            raise NotImplementedError(
+                f"spyre serves one card per vLLM instance (tensor/pipeline parallel size 1); "
+                f"got world size {parallel.world_size}"
+            )
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = "torch_spyre.vllm_plugin.worker.SpyreWorker"
+        # The worker runs inside the engine-core process: no extra worker process.
+        parallel.distributed_executor_backend = "uni"
+        parallel.disable_custom_all_reduce = True
+        if getattr(parallel, "enable_dbo", False):
+            parallel.enable_dbo = False
+
+        cache = vllm_config.cache_config
+        if not cache.user_specified_block_size:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        env_kv = os.environ.get("TORCH_SPYRE_VLLM_KV_CACHE_BYTES")
+        if env_kv and cache.kv_cache_memory_bytes is None:
+            cache.kv_cache_memory_bytes = int(env_kv)
+
+        # Eager layers on the card: no vLLM/Dynamo compilation and no CUDA graphs
+        # (the spyre Inductor backend is reached by plain torch.compile, which the
+        # compiler team has not validated for whole models yet: docs/models.md).
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_mode = CUDAGraphMode.NONE
+        comp.cudagraph_capture_sizes = []
+        # Every custom op dispatches to its forward_oot (the spyre layer).
+        comp.custom_ops = ["all"]
+        model = vllm_config.model_config
+        if model is not None:
+            model.enforce_eager = True
+            if model.use_mla:
+                raise NotImplementedError("MLA models are not supported on spyre")
+
+        vllm_config.scheduler_config.async_scheduling = False
+        if vllm_config.lora_config is not None:
+            raise NotImplementedError("LoRA is not supported on spyre")
+        if vllm_config.speculative_config is not None:
+            raise NotImplementedError("speculative decoding is not supported on spyre")
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False

@@ -1,0 +1,91 @@
+"""SpyreWorker: vLLM's CPU worker minus its C++ extension, sized by spyre memory."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+
+from torch_spyre.vllm_plugin.model_runner import SpyreModelRunner
+
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
+
+# The simulated card's device memory is host memory: without an explicit size the
+# KV cache takes gpu_memory_utilization of the free device memory, capped here so a
+# 112 GiB simulated card does not allocate that much host RAM.
+DEFAULT_KV_CACHE_CAP = 1 << 30
+
+
+class SpyreWorker(CPUWorker):
+    def __init__(
+        self,
+        vllm_config,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
+        # Skip CPUWorker.__init__: it binds NUMA memory through vllm._C, which the
+        # pure-Python vLLM build lacks and the simulated card does not need.
+        Worker.__init__(
+            self,
+            vllm_config,
+            local_rank,
+            rank,
+            distributed_init_method,
+            is_driver_worker=is_driver_worker,
+        )
+        self.parallel_config.disable_custom_all_reduce = True
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")  # vLLM's bookkeeping device (platform.py)
+        if not torch.spyre.is_available():
+            raise RuntimeError("spyre: no spyre device (torch_spyre failed to load?)")
+        init_method = self.distributed_init_method
+        os.environ["VLLM_DIST_IDENT"] = (
+            os.path.basename(init_method.removeprefix("file://"))
+            if init_method.startswith("file://")
+            else init_method.split(":")[-1]
+        )
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        self.model_runner = SpyreModelRunner(self.vllm_config, self.device)
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        return nullcontext()  # no CuMem pools: the spyre allocator owns device memory
+
+    def _should_warm_up_model(self) -> bool:
+        return False  # eager layers: nothing to compile or warm
+
+    def determine_available_memory(self) -> int:
+        """Bytes for the KV cache in spyre device memory."""
+        explicit = self.cache_config.kv_cache_memory_bytes
+        free, total = torch.spyre.mem_get_info()
+        if explicit is not None:
+            if explicit > free:
+                raise ValueError(
+                    f"spyre: kv_cache_memory_bytes={explicit} exceeds the free device "
+                    f"memory ({free} of {total} bytes; TORCH_SPYRE_DEVICE_MEMORY sets it)"
+                )
+            size = int(explicit)
+        else:
+            size = min(int(free * self.cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
+        logger.info(
+            "spyre: %.1f MiB of device memory for the KV cache (%.1f MiB free of %.1f MiB)",
+            size / 2**20,
+            free / 2**20,
+            total / 2**20,
+        )
+        return size
