@@ -80,3 +80,30 @@ def test_oom_on_small_card_is_clear_and_recoverable(spyre_python):
     )
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout
+
+
+def test_torch_accelerator_memory_api(spyre_python):
+    """torch.accelerator's memory API reaches the card's allocator (a
+    c10::DeviceAllocator) and host allocator, as vLLM's shutdown calls it."""
+    r = spyre_python(
+        """
+        import torch
+        assert torch.accelerator.current_accelerator().type == "spyre"
+        x = torch.ones(1000, 100).to("spyre")
+        torch.accelerator.empty_cache()
+        torch.accelerator.empty_host_cache()
+        n = torch.spyre.memory_allocated()
+        assert n > 0 and torch.accelerator.memory_allocated() == n
+        free, total = torch.accelerator.get_memory_info()
+        assert total - free == n, (free, total, n)
+        st = torch.accelerator.memory_stats()
+        assert st["allocated_bytes.all.current"] == n and st["reserved_bytes.all.peak"] >= n
+        torch.accelerator.reset_peak_memory_stats()
+        del x
+        assert torch.accelerator.memory_allocated() == 0
+        assert torch.accelerator.max_memory_allocated() == n
+        print("ok")
+        """
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ok" in r.stdout

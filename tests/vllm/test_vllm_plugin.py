@@ -110,19 +110,3 @@ def test_unsupported_attention_features_are_named(attention, what):
     kwargs[what] = [1.0] if what == "alibi_slopes" else 8
     with pytest.raises(NotImplementedError, match=what):
         attention.SpyreAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="auto", **kwargs)
-
-
-def test_vllm_shutdown_cache_calls_do_not_crash(spyre_python):
-    """vLLM's shutdown empties the accelerator caches; unguarded, that crashes
-    with spyre as the accelerator (platform._guard_accelerator_caches)."""
-    r = spyre_python(
-        """
-        import torch, torch_spyre
-        import torch_spyre.vllm_plugin.platform
-        x = (torch.ones(4).to("spyre") + 1).cpu()
-        torch.accelerator.empty_cache()
-        torch.accelerator.empty_host_cache()
-        print("done")
-        """
-    )
-    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]

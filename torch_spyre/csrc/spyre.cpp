@@ -11,12 +11,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/extension.h>
 #include <torch/csrc/Generator.h>
@@ -42,6 +44,8 @@ struct CardStats {
   int64_t num_frees = 0;
   int64_t num_ooms = 0;
   int64_t capacity = 0;       // usable device memory
+  int64_t bytes_in = 0;       // cumulative bytes allocated / freed
+  int64_t bytes_out = 0;
 };
 
 struct Layout {  // stick layout of a storage made by empty (see layout.py)
@@ -111,6 +115,7 @@ static void free_block(void* ptr) {
     if (it != g_blocks.end()) {
       auto& s = g_stats[it->second.device];
       s.allocated -= it->second.nbytes;
+      s.bytes_out += it->second.nbytes;
       s.num_frees += 1;
       g_blocks.erase(it);
     }
@@ -120,7 +125,11 @@ static void free_block(void* ptr) {
   std::free(ptr);
 }
 
-struct SpyreAllocator final : public c10::Allocator {
+// A DeviceAllocator, so torch.accelerator's memory API (empty_cache,
+// memory_stats, get_memory_info, ...) works on spyre as on CUDA.  Nothing is
+// cached: a freed block goes back at once, so emptyCache has nothing to do,
+// and launches are synchronous, so recordStream has nothing to track.
+struct SpyreAllocator final : public c10::DeviceAllocator {
   // Device memory is host memory of the simulating process; calloc keeps
   // padding zero and, for large blocks, only touches pages really written.
   c10::DataPtr allocate_on(size_t nbytes, int device) {
@@ -150,6 +159,7 @@ struct SpyreAllocator final : public c10::Allocator {
                          " of spyre device memory");
         g_blocks[ptr] = Block{rounded, device};
         s.allocated += rounded;
+        s.bytes_in += rounded;
         s.peak = std::max(s.peak, s.allocated);
       }
       s.num_allocs += 1;
@@ -168,10 +178,85 @@ struct SpyreAllocator final : public c10::Allocator {
     // storage clones copy raw device bytes: layout travels with the bytes
     std::memcpy(dest, src, count);
   }
+
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    check_device(device);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto& s = g_stats[device];
+    c10::CachingDeviceAllocator::DeviceStats out;
+    auto fill = [&](c10::CachingDeviceAllocator::StatArray& a, int64_t cur, int64_t peak,
+                    int64_t in, int64_t freed) {
+      auto& st = a[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)];
+      st.current = cur;
+      st.peak = peak;
+      st.allocated = in;
+      st.freed = freed;
+    };
+    int64_t live = s.num_allocs - s.num_frees;
+    fill(out.allocation, live, live, s.num_allocs, s.num_frees);
+    fill(out.segment, live, live, s.num_allocs, s.num_frees);
+    fill(out.active, live, live, s.num_allocs, s.num_frees);
+    // bytes: every block is its own segment, held exactly while in use
+    for (auto* a : {&out.allocated_bytes, &out.reserved_bytes, &out.active_bytes,
+                    &out.requested_bytes}) {
+      fill(*a, s.allocated, s.peak, s.bytes_in, s.bytes_out);
+    }
+    out.num_ooms = s.num_ooms;
+    return out;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check_device(device);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto& s = g_stats[device];
+    int64_t live = s.num_allocs - s.num_frees;
+    s.num_allocs = live;
+    s.num_frees = 0;
+    s.num_ooms = 0;
+    s.bytes_in = s.allocated;
+    s.bytes_out = 0;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    check_device(device);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_stats[device].peak = g_stats[device].allocated;
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    check_device(device);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto& s = g_stats[device];
+    return {static_cast<size_t>(s.capacity - s.allocated), static_cast<size_t>(s.capacity)};
+  }
 };
 
 static SpyreAllocator g_allocator;
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+// The host side of copies is ordinary CPU memory (the simulated card reads
+// it directly, there is no pinning); this allocator exists so that
+// torch.accelerator's host-memory API (empty_host_cache, host_memory_stats)
+// has something to talk to for spyre instead of a null pointer.
+struct SpyreHostAllocator final : public at::HostAllocator {
+  c10::DataPtr allocate(size_t nbytes) override { return c10::GetCPUAllocator()->allocate(nbytes); }
+  c10::DeleterFnPtr raw_deleter() const override { return c10::GetCPUAllocator()->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+  bool record_event(void*, void*, c10::Stream) override { return true; }
+  void empty_cache() override {}
+  at::HostStats get_stats() override { return at::HostStats(); }
+  void reset_accumulated_stats() override {}
+  void reset_peak_stats() override {}
+};
+
+static SpyreHostAllocator g_host_allocator;
+REGISTER_HOST_ALLOCATOR(at::kPrivateUse1, &g_host_allocator);
 
 // ------------------------------------------------------------------- layouts
 // The default stick layout (hardware.md): [d0..dn-1] ->

@@ -22,25 +22,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under "vllm": vLLM configures that logger tree
 
 
-def _guard_accelerator_caches() -> None:
-    """vLLM's shutdown calls ``torch.accelerator.empty_cache()`` and
-    ``empty_host_cache()``. With spyre as the current accelerator (torch 2.13.0,
-    this runtime) the first raises "Allocator for spyre is not a DeviceAllocator"
-    and the second segfaults once a spyre tensor has been used (reproduced in a
-    bare process: ``x = torch.ones(4).to("spyre"); torch.accelerator.empty_host_cache()``).
-    Route the first to ``torch.spyre.empty_cache`` and make the second a no-op
-    (the simulated card has no pinned host cache). To be fixed in the runtime."""
-    if getattr(torch.accelerator, "_spyre_guarded", False):
-        return
-    acc = torch.accelerator.current_accelerator()
-    if acc is not None and acc.type == "spyre":
-        torch.accelerator.empty_cache = torch.spyre.empty_cache
-        torch.accelerator.empty_host_cache = lambda: None
-        torch.accelerator._spyre_guarded = True
-
-
-_guard_accelerator_caches()
-
 SPYRE = "spyre"
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: small pages suit short test/served prompts
 
