@@ -1,7 +1,7 @@
 """The ``spyre`` command line.
 
-    spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--json out.json]
-    spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare]
+    spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
+    spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
     spyre estimate MODEL [--prompt N] [--new-tokens N] [--json out.json]
 
 ``validate`` exits 1 when a validation threshold is missed.
@@ -31,6 +31,7 @@ def _validate(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         dtype=dtype,
         progress=not args.no_progress,
+        compile=args.compile,
     )
     print(report.format())
     if args.json:
@@ -46,22 +47,16 @@ def _generate(args: argparse.Namespace) -> int:
 
     import torch_spyre
     from torch_spyre import models
-    from torch_spyre.models.generate import generate
+    from torch_spyre.models.generate import generate, prompt_ids
 
     torch_spyre.set_fallback_policy("silent")  # still counted and reported
     tok = models.load_tokenizer(args.model)
     ref = models.load_reference(args.model, kind="causal-lm")
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    dev = models.prepare(copy.deepcopy(ref) if args.compare else ref, dtype=dtype)
-    if args.chat and tok.chat_template:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
-    else:
-        ids = tok(args.prompt, return_tensors="pt").input_ids
+    dev = models.prepare(
+        copy.deepcopy(ref) if args.compare else ref, dtype=dtype, compile=args.compile
+    )
+    ids = prompt_ids(tok, args.prompt, chat=args.chat)
     kw = dict(eos_token_id=tok.eos_token_id, do_sample=args.sample, seed=args.seed)
     torch_spyre.reset_fallback_counts()
     out = generate(dev, ids, args.max_new_tokens, progress=not args.no_progress, **kw)
@@ -108,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--prompts", type=int, default=None, help="use the first K fixed prompts")
     v.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="device dtype")
     v.add_argument("--json", default=None, help="write the full report as JSON here")
+    v.add_argument("--compile", action="store_true", help="spyre side through torch.compile")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=_validate)
-    g = sub.add_parser("generate", help="generate text on spyre (static KV cache, eager path)")
+    g = sub.add_parser("generate", help="generate text on spyre (static KV cache)")
     g.add_argument("model", help="offline causal LM name (e.g. smollm2) or a local folder")
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=32)
@@ -119,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="device dtype")
     g.add_argument("--compare", action="store_true", help="also run on the CPU and compare")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (spyre backend)")
     g.add_argument("--no-progress", action="store_true")
     g.set_defaults(func=_generate)
     e = sub.add_parser(

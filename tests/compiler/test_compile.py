@@ -161,7 +161,8 @@ def test_matmul_epilogue_is_fused():
     assert len(names) == 2, names
     assert names[0].startswith("fused_mm_")
     *_, prof = _compiled("swiglu")
-    assert len(prof.kernels) == 3  # gate mm, up mm + silu * gate, down mm
+    # gate and up projections, silu * up and the down projection: one program
+    assert [k.name for k in prof.kernels] == ["swiglu_mlp_32x128x256x128"]
 
 
 def test_compiled_mlp_is_faster_than_eager_op_by_op():
@@ -373,8 +374,12 @@ def test_transformer_block_compiles_matches_cpu_and_beats_eager(kind):
     torch.manual_seed(0)
     block = (mod.LlamaBlock if kind == "llama" else mod.BertLayer)(128, 2, 256)
     x = torch.randn(1, 16, 128, dtype=H)
+    mod.warm_up()
     row = mod.run(kind, block, x)
     assert row["fallbacks"] == {}
     assert row["max_err"] < 2e-2
     assert row["compiled_kernels"] < row["eager_kernels"]
     assert row["compiled_us"] < row["eager_us"]
+    # compile time (issue 5, item 6: target 2x CPU Inductor): a same-run
+    # ratio, with slack for a noisy shared machine
+    assert row["compile_spyre_s"] < 4 * row["compile_cpu_s"]

@@ -115,17 +115,19 @@ def test_part_times_are_the_planned_programs_timings(monkeypatch):
     cfg = cards.config()
     for program, t in launched:
         assert math.isclose(t, time_program(program, cfg).time_s), program.name
-    # every part ran twice (compile + warm, then timed): the timed run is the second half
+    # every part ran twice (compile + warm, then timed); compiling may launch
+    # eager kernels of its own (constants), so find each part's run in order
     per_call = [t for _, t in launched]
+    names = [prog.name for prog, _ in launched]
     parts = est.prefill + est.decode
     i = 0
     for p in parts:
-        n = len(p.kernels)
-        i += n  # the warm-up call launched the same programs
-        assert [name for name, _ in p.kernels] == [prog.name for prog, _ in launched[i : i + n]]
-        assert math.isclose(p.time_s - p.copies_s, sum(per_call[i : i + n]))
-        i += n
-    assert i == len(launched)
+        want = [name for name, _ in p.kernels]
+        n = len(want)
+        j = next((j for j in range(i, len(names) - n + 1) if names[j : j + n] == want), None)
+        assert j is not None, f"{p.name}: its kernels were not launched in this order"
+        assert math.isclose(p.time_s - p.copies_s, sum(per_call[j : j + n]))
+        i = j + n
 
 
 def test_timing_only_gives_the_time_of_a_real_run():
@@ -150,7 +152,9 @@ def test_timing_only_does_not_compute_values():
         clock = torch.spyre.modelled_time_s()
         out = f(x)
         t_only = torch.spyre.modelled_time_s() - clock
-    assert t_only == t_real > 0
+    # the same modelled time; differences of the running card clock round
+    # (at ~1e-18 s) differently depending on what ran before
+    assert t_real > 0 and t_only == pytest.approx(t_real, rel=1e-9)
     assert not torch.equal(out.cpu(), real.cpu())  # the kernel did not run
 
 

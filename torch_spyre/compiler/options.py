@@ -7,7 +7,9 @@ epilogue, matmul rows split over the cores with no operand reuse between
 cores (no ring multicast: every core streams the whole weight) and no cost
 model consulted.  ``planning(fusion=False)`` keeps the optimised plans but
 fuses nothing (one kernel per node, matmul epilogues apart).
-``planning(cores=1)`` plans for that many cores of the card.
+``planning(cores=1)`` plans for that many cores of the card;
+``planning(lx_bytes=64 * 1024)`` plans as if each core had that much LX
+(a design study, or a test of rows longer than the LX at small sizes).
 
 The options are part of the FX graph cache key (``SpyreGraphPass.uuid``), so
 a graph planned under one set of options is never replayed under another;
@@ -30,13 +32,16 @@ class PlanningOptions:
     cores: int | None = None
     #: fuse nodes into one kernel and matmuls with their epilogues (naive: never)
     fusion: bool = True
+    #: plan for at most this many LX bytes per core (None: the card's)
+    lx_bytes: int | None = None
 
     @property
     def fuse(self) -> bool:
         return self.fusion and not self.naive
 
     def key(self) -> str:
-        return f"naive={int(self.naive)},cores={self.cores or 0},fusion={int(self.fusion)}"
+        key = f"naive={int(self.naive)},cores={self.cores or 0},fusion={int(self.fusion)}"
+        return key + (f",lx={self.lx_bytes}" if self.lx_bytes else "")
 
 
 _current = PlanningOptions()
@@ -48,13 +53,15 @@ def current() -> PlanningOptions:
 
 @contextlib.contextmanager
 def planning(
-    naive: bool = False, cores: int | None = None, fusion: bool = True
+    naive: bool = False, cores: int | None = None, fusion: bool = True, lx_bytes: int | None = None
 ) -> Iterator[PlanningOptions]:
     """Plan the graphs compiled inside with these options (process-wide)."""
     global _current
     if cores is not None and cores < 1:
         raise ValueError(f"planning(cores=...) needs at least one core, got {cores}")
-    old, _current = _current, PlanningOptions(naive, cores, fusion)
+    if lx_bytes is not None and lx_bytes < 4096:
+        raise ValueError(f"planning(lx_bytes=...) needs at least 4096 bytes, got {lx_bytes}")
+    old, _current = _current, PlanningOptions(naive, cores, fusion, lx_bytes)
     try:
         yield _current
     finally:
@@ -63,7 +70,9 @@ def planning(
 
 def planning_config(config):
     """The card's ``HardwareConfig`` as the planner should see it."""
-    cores = _current.cores
+    cores, lx = _current.cores, _current.lx_bytes
     if cores is not None and cores < config.cores:
-        return config.replace(cores=cores)
+        config = config.replace(cores=cores)
+    if lx is not None and lx < config.lx_bytes:
+        config = config.replace(lx_bytes=lx)
     return config

@@ -11,6 +11,16 @@ the card: counted as ``kernel``, never a host fallback):
 * ``aten.index_put`` (what a static KV cache's ``index_copy_`` becomes): an
   indirect store, likewise run by the eager device kernel (a DMA program).
 
+fuses what one kernel program does better than Inductor's groups:
+
+* ``mm(silu(x @ wg.T) * (x @ wu.T), wd.T)`` (a SwiGLU MLP) becomes
+  ``spyre::swiglu_mlp`` (``ops/mlp.py``): gate and up projections in one
+  program sharing the activation tile, their epilogue in LX and the down
+  projection fed from LX (skipped under ``planning(fusion=False)`` / naive);
+* scaled dot-product attention reaches the graph already as
+  ``spyre::attention`` (``ops/attention.py``: registered before PyTorch's
+  decomposition), one flash-attention program;
+
 and rewrites what the vector units cannot do into what the PE array can:
 
 * a ``cat`` along the last dim of (negated) slices of one tensor along that
@@ -149,9 +159,139 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+_VIEWS = ("reshape", "view", "_unsafe_view")
+
+
+def _is(node, *names: str) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and getattr(node.target, "__name__", "").split(".")[0] in names
+    )
+
+
+def _through_views(node, seen: list):
+    while _is(node, *_VIEWS, "convert_element_type"):
+        seen.append(node)
+        node = node.args[0]
+    return node
+
+
+def _silu_input(node, seen: list):
+    """x when ``node`` computes silu(x) (as aten.silu, x * sigmoid(x) or
+    Inductor's x / (1 + exp(-x))), modulo casts; else None."""
+    node = _through_views(node, seen)
+    if _is(node, "silu"):
+        seen.append(node)
+        return node.args[0]
+    if _is(node, "mul") and len(node.args) == 2:
+        a, b = node.args
+        for x, sg in ((a, b), (b, a)):
+            if _is(sg, "sigmoid") and sg.args[0] is x:
+                seen += [node, sg]
+                return x
+    if _is(node, "div") and len(node.args) == 2:
+        x, den = node.args
+        if _is(den, "add") and 1 in den.args:
+            e = next(a for a in den.args if a != 1)
+            if _is(e, "exp") and _is(e.args[0], "neg") and e.args[0].args[0] is x:
+                seen += [node, den, e, e.args[0]]
+                return x
+    return None
+
+
+def _linear_of(node, seen: list):
+    """(x, weight) when ``node`` is ``x @ weight.T`` (an mm with a permuted
+    2-D weight), modulo views and casts; else None."""
+    node = _through_views(node, seen)
+    if not _is(node, "mm"):
+        return None
+    x, wt = node.args
+    if not (_is(wt, "permute") and list(wt.args[1]) == [1, 0]):
+        return None
+    seen += [node, wt]
+    return x, wt.args[0]
+
+
+def _base(node):
+    while _is(node, *_VIEWS):
+        node = node.args[0]
+    return node
+
+
+def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
+    """``mm(silu(x @ wg.T) * (x @ wu.T), wd.T)`` -> ``spyre::swiglu_mlp``: one
+    program with both matmuls on the shared activation, the epilogue in LX
+    and the down projection fed from LX (``ops/mlp.py``)."""
+    from torch_spyre.compiler import options
+    from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp)
+
+    if not options.current().fuse:
+        return False
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is(node, "mm") or not _on_spyre(node):
+            continue
+        seen: list = [node]
+        down = _linear_of(node, [])
+        if down is None:
+            continue
+        h, wd = down
+        seen.append(node.args[1])
+        prod = _through_views(h, seen)
+        if not _is(prod, "mul") or len(prod.args) != 2:
+            continue
+        seen.append(prod)
+        found = None
+        for a, b in (prod.args, prod.args[::-1]):
+            s2: list = []
+            g = _silu_input(a, s2)
+            gl = _linear_of(g, s2) if g is not None else None
+            ul = _linear_of(b, s2)
+            if gl and ul and _base(gl[0]) is _base(ul[0]):
+                found, seen = (gl, ul), seen + s2
+                break
+        if found is None:
+            continue
+        (xg, wg), (xu, wu) = found
+        x = _base(xg)
+        xv, wv = x.meta.get("val"), [w.meta.get("val") for w in (wg, wu, wd)]
+        if not isinstance(xv, torch.Tensor) or any(not isinstance(w, torch.Tensor) for w in wv):
+            continue
+        k = xv.shape[-1]
+        if (
+            wv[0].shape != wv[1].shape
+            or wv[0].dim() != 2
+            or wv[0].shape[1] != k
+            or wv[2].shape[1] != wv[0].shape[0]
+            or len({xv.dtype, *(w.dtype for w in wv)}) != 1
+            or xv.dim() < 2
+        ):
+            continue
+        # every intermediate must be used only inside the pattern
+        inner = set(seen) - {node}
+        if any(u not in inner and u is not node for n in inner for u in n.users):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.spyre.swiglu_mlp.default, (x, wg, wu, wd))
+            flat = gm.graph.call_function(
+                torch.ops.aten.reshape.default, (new, list(node.meta["val"].shape))
+            )
+        val = torch.ops.spyre.swiglu_mlp.default(xv, *wv)
+        new.meta["val"] = val
+        flat.meta["val"] = val.reshape(node.meta["val"].shape)
+        node.replace_all_uses_with(flat)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return changed
+
+
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
+        changed = _fuse_swiglu(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
             if route is None or not _on_spyre(node):

@@ -65,10 +65,18 @@ class CompiledKernel:
                     mem = mem.reshape(-1)[start : start + numel]
                 bind[name] = mem
             elif operands.is_whole_default(t):
-                bind[name] = operands.device_memory(t)
+                mem = operands.device_memory(t)
+                if mem.numel() != numel:  # stored in a compacter layout (compiler.layouts)
+                    mem = mem.reshape(-1)[:numel]
+                bind[name] = mem
             else:  # an output Inductor allocated with another stride: store, then re-lay
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                 bind[name] = operands.device_memory(tmp)
+                if bind[name].numel() != numel:
+                    raise RuntimeError(
+                        f"spyre compiled kernel {self.program.name!r}: operand {name!r} is "
+                        "stored in a non-default layout into a strided buffer (a planner bug)"
+                    )
                 copy_back.append((t, tmp))
         dispatch_stats.record("kernel", self._label)
         self._kernel.launch_memory(device.index or 0, bind)

@@ -11,6 +11,7 @@ spyre kernels (PE-array programs with their bias epilogue) on device memory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -28,7 +29,8 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from torch_spyre.compiler import lowering, options
+from torch_spyre.compiler import layouts, lowering, options
+from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import cards
 
 log = logging.getLogger("torch_spyre.compiler")
@@ -268,6 +270,7 @@ class SpyreScheduling(BaseScheduling):
                 t_apart = (
                     cfg_card.estimate(mm.plan.program).time_s
                     + cfg_card.estimate(apart.program).time_s
+                    + sum(cfg_card.estimate(p.program).time_s for p in apart.pre)
                 )
                 if t_fused <= t_apart:
                     plans = [self._plan(nodes, mm)]
@@ -337,6 +340,8 @@ class SpyreScheduling(BaseScheduling):
         if mm is not None:
             _matmul_steps(b, mm.node)
         group = {n.get_name() for n in nodes}
+        # the layout of a stored intermediate, costed with its readers
+        b.readers_cost = functools.partial(layouts.consumers_cost, self, group)
         keep = set()
         graph_outs = set(V.graph.get_output_names())
         for n in nodes:
@@ -388,8 +393,28 @@ class SpyreScheduling(BaseScheduling):
         return plan
 
     def _emit(self, plan: lowering.Plan) -> None:
-        _remember(plan)
         wrapper = V.graph.wrapper_code
+        for pre in plan.pre:  # restickify kernels (compiler.layouts): a fresh buffer
+            src, dst = pre.operands[0], pre.operands[1]
+            wrapper.writeline(
+                f"{dst.buffer} = torch.empty(({dst.layout.device_numel},), "
+                f"dtype={dst.layout.dtype}, device={_storage_name(src.buffer)}.device)"
+            )
+            self._emit(pre)
+            # later kernels reading the buffer in that layout reuse the copy
+            copies = wrapper.__dict__.setdefault("_spyre_relaid", {})
+            copies[(src.buffer, dst.layout)] = dst.buffer
+        _remember(plan)
+        reads = wrapper.__dict__.setdefault("_spyre_reads", {})
+        stored = wrapper.__dict__.setdefault("_spyre_layouts", {})
+        for u in plan.operands:  # for compiler.layouts: readers still to come
+            if not plan.program.name.startswith("restickify_"):
+                reads[u.buffer] = reads.get(u.buffer, 0) + (u.role == "input")
+            # an output stored whole in another stick dim (layouts.choose_output;
+            # a store through a view has the host dims of the view)
+            if u.role == "output" and u.shape and tuple(u.layout.host_size) == tuple(u.shape):
+                if u.layout != SpyreTensorLayout.default(u.shape, u.layout.dtype):
+                    stored[u.buffer] = u.layout  # its readers read it so
         kname = _define(wrapper, plan)
         args = ", ".join(_storage_name(u.buffer) for u in plan.operands if u.role != "iota")
         wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")

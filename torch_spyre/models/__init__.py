@@ -130,8 +130,9 @@ def prepare(
         model.to(dtype)
     model.to(device)  # keeps tied weights tied (one device copy)
     model.spyre_patches = list(opts.applied)
+    model.spyre_compiled = compile
     if compile:
-        # later: the compiled path (one graph per shape bucket); not validated yet
+        # one graph per input shape: models.generate keeps one shape per bucket
         model.forward = torch.compile(model.forward, dynamic=False)
     return model
 

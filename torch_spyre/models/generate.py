@@ -1,10 +1,17 @@
 """A generation loop for causal LMs on spyre: prefill, then decode through a static KV cache.
 
 The KV cache is transformers' ``StaticCache``: fixed-size key/value tensors
-allocated in device memory once and updated in place, so every decode step
-has the same shapes (the property the compiled path needs to build one graph
-per shape bucket; the cache length is rounded up to ``bucket`` tokens).  The
-loop runs on the eager path today (``prepare(compile=False)``).
+allocated in device memory once and updated in place.  Every input has one
+shape per bucket, so a compiled model (``prepare(compile=True)``) compiles
+once for the prefill bucket and once for decoding, never per step:
+
+* the prompt is right-padded to a multiple of ``prefill_bucket`` tokens.
+  Causal attention keeps the real tokens blind to the padding; the padding
+  writes cache slots past the prompt, and each decode step overwrites its
+  slot before it attends to it (and never sees later slots);
+* the attention mask always covers the whole cache (``cache_len``
+  positions, a multiple of ``bucket``): slots are switched on as tokens are
+  produced, so left-padded batches (validation) keep one shape too.
 
 Sampling happens on the host from the last logits (a few hundred KB per
 step), with a seeded generator: greedy and sampled runs are reproducible.
@@ -64,20 +71,42 @@ def _pick(
     return torch.multinomial(logits.softmax(-1), 1, generator=gen)
 
 
+def prompt_ids(tokenizer, text: str, chat: bool = True) -> torch.Tensor:
+    """Token ids (1, n) of ``text``: as one user turn of the tokenizer's chat
+    template (with the assistant's turn opened) when it has one and ``chat``,
+    else the raw text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
     max_new_tokens: int = 32,
     *,
+    attention_mask: torch.Tensor | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = 50,
     seed: int = 0,
     eos_token_id: int | None = None,
     bucket: int = 64,
+    prefill_bucket: int = 16,
     progress: bool = False,
 ) -> Generation:
-    """Generate for a batch of equal-length prompts (``input_ids`` (batch, seq), host tensor).
+    """Generate for a batch of prompts (``input_ids`` (batch, seq), host tensor;
+    ``attention_mask`` marks left padding, as a tokenizer with
+    ``padding_side="left"`` returns it).
 
     Stops early when every row has produced ``eos_token_id``.
     """
@@ -85,9 +114,21 @@ def generate(
 
     device = next(model.parameters()).device
     batch, n = input_ids.shape
-    # round the cache length up to a bucket: one shape per bucket for the compiled path
-    cache_len = -(-(n + max_new_tokens) // bucket) * bucket
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    n_pad = _round_up(n, prefill_bucket)
+    cache_len = _round_up(n_pad + max_new_tokens, bucket)
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    if n_pad > n and not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
+        # a sliding-window layer shorter than the cache cannot take the padding
+        # back (it may have pushed real tokens out): prefill unpadded
+        n_pad = n
+    # positions count real tokens only (left padding); padding continues them
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    extra = torch.arange(1, n_pad - n + 1).expand(batch, -1)
+    pos_pad = torch.cat([pos, pos[:, -1:] + extra], dim=-1)
+    ids_pad = torch.cat([input_ids, input_ids[:, -1:].expand(batch, n_pad - n)], dim=-1)
+    full_mask = torch.zeros(batch, cache_len, dtype=torch.long)
+    full_mask[:, :n] = mask
     gen = torch.Generator().manual_seed(seed)
     bar = None
     if progress:
@@ -97,12 +138,19 @@ def generate(
     with torch.no_grad():
         t_mod, t_wall = _clock(device), time.perf_counter()
         out = model(
-            input_ids=input_ids.to(device),
+            input_ids=ids_pad.to(device),
+            attention_mask=full_mask.to(device),
+            position_ids=pos_pad.to(device),
             cache=cache,
-            cache_position=torch.arange(n).to(device),
+            cache_position=torch.arange(n_pad).to(device),
             use_cache=True,
         )
-        nxt = _pick(out.logits[:, -1], do_sample, temperature, top_k, gen)
+        if n_pad > n:
+            # the cache writes where its layers' counters say (transformers 5):
+            # step them back so the first decode step overwrites the padding
+            for layer in out.cache.layers:
+                layer.crop(n - n_pad)
+        nxt = _pick(out.logits[:, n - 1], do_sample, temperature, top_k, gen)
         result = Generation(
             tokens=nxt,
             prefill_tokens=n,
@@ -112,6 +160,7 @@ def generate(
         )
         toks = [nxt]
         done = torch.zeros(batch, dtype=torch.bool)
+        last = pos[:, -1:]
         for step in range(max_new_tokens - 1):
             if bar is not None:
                 bar.update(1)
@@ -119,9 +168,12 @@ def generate(
                 done |= nxt[:, 0] == eos_token_id
                 if bool(done.all()):
                     break
+            full_mask[:, n + step] = 1
             t_mod, t_wall = _clock(device), time.perf_counter()
             out = model(
                 input_ids=nxt.to(device),
+                attention_mask=full_mask.to(device),
+                position_ids=(last + 1 + step).to(device),
                 cache=out.cache,
                 cache_position=torch.tensor([n + step]).to(device),
                 use_cache=True,

@@ -163,6 +163,7 @@ def sdpa_attention(model: nn.Module, options: Any) -> str | None:
     pattern) are written for: one fused op with the mask, instead of the eager
     python matmul/softmax/dropout sequence with an explicitly materialised mask.
     """
+    _grouped_heads_with_masks()
     cfg = model.config
     if getattr(cfg, "_attn_implementation", None) == "sdpa":
         return None
@@ -170,3 +171,24 @@ def sdpa_attention(model: nn.Module, options: Any) -> str | None:
         return None
     model.set_attn_implementation("sdpa")
     return "attention: sdpa"
+
+
+def _grouped_heads_with_masks() -> None:
+    """Let transformers' SDPA path pass grouped KV heads (``enable_gqa``) with
+    a mask for spyre tensors, instead of copying each KV head out to its
+    query heads (``repeat_kv``): the card's flash-attention kernel reads each
+    KV head once per group and takes the mask.  Other devices keep
+    transformers' own rule.  Process-wide, installed once."""
+    from transformers.integrations import sdpa_attention as sdpa
+
+    stock = sdpa.use_gqa_in_sdpa
+    if getattr(stock, "_spyre", False):
+        return
+
+    def use_gqa_in_sdpa(attention_mask, key, value):
+        if key.device.type == "spyre":
+            return key.shape[-1] == value.shape[-1]
+        return stock(attention_mask, key, value)
+
+    use_gqa_in_sdpa._spyre = True  # type: ignore[attr-defined]
+    sdpa.use_gqa_in_sdpa = use_gqa_in_sdpa

@@ -12,8 +12,10 @@ def register() -> None:
         return
     from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
         adapters,
+        attention,
         dispatch,
         matmul,
+        mlp,
         normalization,
         reductions,
     )

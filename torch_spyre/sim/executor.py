@@ -210,6 +210,8 @@ def _vector(program: Program, s: Vector, env: dict[str, _Value]) -> _Value:
     if acc.is_floating_point:  # comparisons etc. (bool/int out) keep their input types
         args = [a.to(acc) if a.dtype != acc and a.is_floating_point() else a for a in args]
     res = od.fn(*args, *s.scalars)
+    if not s.inputs and out.dims:  # a fill: the whole output buffer
+        res = res.expand([program.dim(d).size for d in out.dims])
     return _Value(res.to(out.dtype), out.dims)
 
 

@@ -33,6 +33,9 @@ class ReductionDef:
     fn: Callable[[torch.Tensor, int], torch.Tensor]
     #: value that does not change the result (pads uneven core splits)
     identity: float
+    #: vector-op cost classes each input stick pays on top of the reduction
+    #: itself (an online log-sum-exp: subtract the running max, exp, rescale)
+    extra_cost: tuple[str, ...] = ()
 
 
 VECTOR_OPS: dict[str, VectorOpDef] = {}
@@ -52,9 +55,15 @@ def register_op(
 
 
 def register_reduction(
-    name: str, fn: Callable[[torch.Tensor, int], torch.Tensor], identity: float
+    name: str,
+    fn: Callable[[torch.Tensor, int], torch.Tensor],
+    identity: float,
+    extra_cost: tuple[str, ...] = (),
 ) -> None:
-    REDUCTIONS[name] = ReductionDef(name, fn, identity)
+    for c in extra_cost:
+        if c not in ("simple", "transcendental"):
+            raise ValueError(f"extra_cost classes must be 'simple' or 'transcendental', got {c!r}")
+    REDUCTIONS[name] = ReductionDef(name, fn, identity, tuple(extra_cost))
 
 
 def vector_op(name: str) -> VectorOpDef:
@@ -108,3 +117,15 @@ for _name, _fn, _cls, _n in [
 register_reduction("sum", lambda x, d: x.sum(d), 0.0)
 register_reduction("max", lambda x, d: x.amax(d), -math.inf)
 register_reduction("min", lambda x, d: x.amin(d), math.inf)
+
+# Appended for the flash-attention program (sim.kernels.flash_attention);
+# append-only, and the compiler registers the same names only if absent.
+for _name, _fn, _cls, _n in [
+    # no buffer input: fills its whole output buffer with the scalar
+    ("fill", lambda v: torch.tensor(v, dtype=torch.float32), _S, 0),
+    ("le", torch.le, _S, 2),
+    # x where keep, else the scalar (a masked select: one pass per stick)
+    ("keep_or_fill", lambda x, keep, v: torch.where(keep.bool(), x, v), _S, 2),
+]:
+    if _name not in VECTOR_OPS:
+        register_op(_name, _fn, _cls, _n)

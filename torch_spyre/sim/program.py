@@ -18,7 +18,10 @@ card validates, executes and times it.  The model:
 
 A step inside a loop over dim d sees one tile of d; otherwise it sees the
 core's whole range of d.  A contraction (Matmul, Reduce) over a looped dim
-accumulates over the tiles; over a dim split across cores it leaves one
+accumulates over the tiles (from the second tile on it adds into the
+buffer's current value, so a ``Vector`` step between two tiles acts on the
+running result: the rescaling of an online softmax); over a dim split across
+cores it leaves one
 partial result per core, which a ``RingAllReduce`` over that dim combines
 (storing a partial result is an error).  A ``Store`` of a buffer that lacks
 some dims split over cores is done by the cores at grid coordinate 0 of
@@ -69,6 +72,14 @@ class Dim:
     tile: int | None = None
     #: elements per core (None: ceil(size / cores)); e.g. whole sticks
     chunk: int | None = None
+    #: causal structure (attention): position j of this dim is used only with
+    #: positions i >= j of dim ``causal_to``, so an instance of a step inside
+    #: the loops of both dims whose tile of this dim starts after the last
+    #: position of the tile of ``causal_to`` is skipped (the timing model
+    #: counts only the instances that run).  The program must itself mask the
+    #: positions j > i of the tiles it does run; skipped tiles would contribute
+    #: nothing, so the functional executor runs the whole space.
+    causal_to: str | None = None
 
     @property
     def core_extent(self) -> int:
@@ -281,11 +292,28 @@ class Program:
         return math.prod(ext) * itemsize
 
     def lx_usage(self, config: HardwareConfig | None = None) -> dict[str, int]:
-        """LX bytes per buffer on one core, double buffering included."""
-        return {
-            b.name: self.buffer_bytes(b.name, config) * (2 if b.double_buffered else 1)
-            for b in self.buffers
-        }
+        """LX bytes per buffer on one core, double buffering included (as
+        ``buffer_bytes``, with every buffer's extents from one pass over the
+        steps: planners ask this of thousands of candidate programs)."""
+        ext: dict[str, dict[str, int]] = {b.name: dict.fromkeys(b.dims, 1) for b in self.buffers}
+        for s in self.steps:
+            w = step_writes(s)
+            for name in (*step_reads(s), *((w,) if w is not None else ())):
+                e = ext.get(name)
+                if e is None:
+                    continue
+                for d in e:
+                    x = self.step_extent(s, d)
+                    if x > e[d]:
+                        e[d] = x
+        out = {}
+        for b in self.buffers:
+            itemsize = torch.empty((), dtype=b.dtype).element_size()
+            stick = (config.stick_bytes if config else 128) // itemsize
+            sizes = [ext[b.name][d] for d in b.dims] or [1]
+            sizes[-1] = ceil_div(sizes[-1], stick) * stick
+            out[b.name] = math.prod(sizes) * itemsize * (2 if b.double_buffered else 1)
+        return out
 
     def core_span_bytes(self, operand: str) -> int:
         """Device-memory address span one core touches in ``operand`` (fullest core).
@@ -358,6 +386,11 @@ class Program:
                 raise ProgramError(
                     f"{where}: dim {d.name!r} of size {d.size} split over {d.cores} cores"
                 )
+            if d.causal_to is not None and (d.causal_to not in names or d.causal_to == d.name):
+                raise ProgramError(
+                    f"{where}: dim {d.name!r} is causal to {d.causal_to!r}, which is not "
+                    "another dim of the program"
+                )
             if d.chunk is not None and not (d.cores - 1) * d.chunk < d.size <= d.cores * d.chunk:
                 raise ProgramError(
                     f"{where}: dim {d.name!r}: {d.cores} chunks of {d.chunk} do not cover "
@@ -415,7 +448,8 @@ class Program:
                 if len(s.inputs) != od.num_inputs:
                     raise ProgramError(f"{at}: op {s.op!r} takes {od.num_inputs} buffer inputs")
                 union = set().union(*(self.buffer(x).dims for x in s.inputs))
-                if union != set(self.buffer(s.out).dims):
+                # an op without buffer inputs (a fill) writes the whole output buffer
+                if od.num_inputs and union != set(self.buffer(s.out).dims):
                     raise ProgramError(
                         f"{at}: output {s.out!r} dims {self.buffer(s.out).dims} must be the "
                         f"union of the input dims {sorted(union)}"
@@ -566,6 +600,7 @@ class Program:
                 f"{d.name}={d.size}"
                 + (f"/{d.cores}" if d.cores > 1 else "")
                 + f" tile {d.tile_size}"
+                + (f" (causal to {d.causal_to})" if d.causal_to else "")
                 for d in self.dims
             )
         )

@@ -23,7 +23,7 @@ Deterministic: pure arithmetic on the program and the config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -233,9 +233,26 @@ def _group_stride(program: Program, dim: str) -> int:
     return stride
 
 
+#: reports by program structure: a model's layers repeat the same programs
+#: under other names, and compilers ask for the same candidates again
+_REPORTS: dict[tuple, KernelReport] = {}
+
+
 def estimate(program: Program, config: HardwareConfig | None = None) -> KernelReport:
     """Model one run of ``program`` on ``config`` (default: the card)."""
     cfg = config or HardwareConfig()
+    p = program
+    key = (p.dims, p.operands, p.buffers, p.steps, p.loop_order, cfg)
+    rep = _REPORTS.get(key)
+    if rep is None:
+        if len(_REPORTS) > 8192:
+            _REPORTS.clear()
+        rep = _REPORTS[key] = _estimate(program, cfg)
+    # fresh dicts: a caller may annotate its copy
+    return replace(rep, name=program.name, busy_s=dict(rep.busy_s), extra=dict(rep.extra))
+
+
+def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     p = program
     ncores = program.cores_used
     clock = cfg.clock_hz
@@ -261,12 +278,38 @@ def estimate(program: Program, config: HardwareConfig | None = None) -> KernelRe
     overhead = [0.0] * ncores
     dram_bytes = ring_bytes = 0.0
     vector_ops = sum(_vector_ops(p, s) for s in p.steps)
+    # cores with the same extents, stick alignment and replica role cost the
+    # same: each distinct core is modelled once (compile time: the cost model
+    # is asked about thousands of candidate plans)
+    per_sig: dict[tuple, tuple] = {}
+    sticky = _sticky_dims(p)
     for c in range(ncores):
         cv = views[c]
+        sig = (_core_signature(p, cv, sticky), mem_cycles_per_byte[c])
+        hit = per_sig.get(sig)
+        if hit is not None:
+            c_busy, c_over, c_dram, c_ring, core_cycles[c], n_iter = hit
+            for unit in UNITS:
+                busy[unit][c] = c_busy[unit]
+            overhead[c] = c_over
+            dram_bytes += c_dram
+            ring_bytes += c_ring
+            if c == 0:
+                n_iter_inner = n_iter
+            continue
+        dram0, ring0 = dram_bytes, ring_bytes
         loop_b = dict.fromkeys(UNITS, 0.0)
         serial = 0.0
         for s in p.steps:
             cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c])
+            frac = _causal_fraction(cv, s.loops)
+            if frac != 1.0:  # causal tiles skipped (Dim.causal_to)
+                cost = _Cost(
+                    {u: x * frac for u, x in cost.cycles.items()},
+                    cost.setup * frac,
+                    cost.dram_bytes * frac,
+                    cost.ring_bytes * frac,
+                )
             for unit, cyc in cost.cycles.items():
                 busy[unit][c] += cyc
                 if overlaps(s):
@@ -277,11 +320,20 @@ def estimate(program: Program, config: HardwareConfig | None = None) -> KernelRe
             dram_bytes += cost.dram_bytes
             ring_bytes += cost.ring_bytes
         n_iter = max(1, math.prod(cv.tiles(d) for d in p.loop_order)) if p.loop_order else 1
+        n_iter = max(1, round(n_iter * _causal_fraction(cv, p.loop_order)))
         if c == 0:
             n_iter_inner = n_iter
         total_b = sum(loop_b.values())
         peak = max(loop_b.values())
         core_cycles[c] = serial + peak + (total_b - peak) / n_iter
+        per_sig[sig] = (
+            {u: busy[u][c] for u in UNITS},
+            overhead[c],
+            dram_bytes - dram0,
+            ring_bytes - ring0,
+            core_cycles[c],
+            n_iter,
+        )
     launch_cycles = cfg.launch_overhead_s * clock
     slowest = max(range(ncores), key=lambda i: core_cycles[i])
     cycles = launch_cycles + core_cycles[slowest]
@@ -365,7 +417,10 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
         outs = cv.count(s, out.dims) * math.prod(cv.dim_sum(s, d) for d in out.dims)
         # a reduction along the stick ends in a cross-lane tree per output
         tree = outs * cfg.sfu_reduction_tree_cycles if src.dims[-1] == s.dim else 0
-        return _Cost({"vector": (sticks * cfg.sfu_reduction_cycles + tree) / cfg.corelets_per_core})
+        per_stick = cfg.sfu_reduction_cycles + sum(
+            cfg.sfu_cycles(c) for c in ops_mod.reduction(s.op).extra_cost
+        )
+        return _Cost({"vector": (sticks * per_stick + tree) / cfg.corelets_per_core})
     assert isinstance(s, RingAllReduce)
     buf = p.buffer(s.buffer)
     group = p.dim(s.dim).cores
@@ -391,15 +446,73 @@ def _vector_ops(p: Program, s: Step) -> float:
     return 0.0
 
 
+def _causal_fraction(cv: _CoreView, loops: tuple[str, ...]) -> float:
+    """Fraction of the instances of a step inside ``loops`` that run on this
+    core: a tile of a dim with ``causal_to`` set that starts after the last
+    position of the current tile of its partner dim is skipped (attention
+    blocks above the diagonal).  Exact count of the (partner tile, tile)
+    pairs, one partner tile at a time."""
+    p = cv.p
+    frac = 1.0
+    for d in p.dims:
+        if d.causal_to is None or d.name not in loops:
+            continue
+        nk = cv.tiles(d.name)
+        q = d.causal_to
+        eq = cv.extent[q]
+        tq = p.dim(q).tile_size if q in loops else eq
+        nq = _tile_lengths(eq, tq)[0]
+        if not nk or not nq:
+            continue
+        k0, q0, tk = cv.start[d.name], cv.start[q], d.tile_size
+        active = 0
+        for i in range(nq):
+            last = q0 + min((i + 1) * tq, eq) - 1
+            if last >= k0:
+                active += min(nk, (last - k0) // tk + 1)
+        frac *= active / (nq * nk)
+    return frac
+
+
 def _dram_bytes(p: Program, cv: _CoreView) -> float:
     total = 0.0
     for s in p.steps:
         if isinstance(s, Load | Store):
-            nbytes = _transfer(cv, s)[1]
+            nbytes = _transfer(cv, s)[1] * _causal_fraction(cv, s.loops)
             if isinstance(s, Load) and s.multicast:
                 nbytes /= p.multicast_group(s)[0]
             total += nbytes
     return total
+
+
+def _sticky_dims(p: Program) -> tuple[str, ...] | None:
+    """The dims whose start position matters to a core's cost: the stick dims
+    of the operands (None: all of them, when causal tiles are skipped)."""
+    if any(getattr(d, "causal_to", None) for d in p.dims):
+        return None
+    sticky = set()
+    for s in p.steps:
+        if isinstance(s, Load | Store):
+            lay = p.operand(s.operand).layout
+            if lay.host_size and s.index[lay.stick_dim] is not None:
+                sticky.add(s.index[lay.stick_dim])
+    return tuple(sorted(sticky))
+
+
+def _core_signature(p: Program, cv: _CoreView, sticky: tuple[str, ...] | None) -> tuple:
+    """What a core's modelled cost depends on besides the program: its
+    extents, where its range starts inside a stick along the stick dims of
+    the operands (``_sticky_dims``), and whether it stores replicated
+    results (coordinate 0 of the split dims)."""
+    if sticky is None:
+        starts = tuple(cv.start.values())
+    else:  # every stick holds 128 / itemsize elements, which divides 128
+        starts = tuple(cv.start[d] % 128 for d in sticky)
+    return (
+        tuple(cv.extent.values()),
+        starts,
+        tuple(cv.coords[d.name] == 0 for d in p.grid),
+    )
 
 
 def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig) -> list[float]:
@@ -411,7 +524,14 @@ def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig
     others (e.g. the one storing a reduced result) speeds up once the others
     are done.  Returns total cycles / total bytes of each core.
     """
-    per_core = [_dram_bytes(p, cv) for cv in views]
+    memo: dict[tuple, float] = {}
+    per_core = []
+    sticky = _sticky_dims(p)
+    for cv in views:  # cores that differ only in position move the same bytes
+        sig = _core_signature(p, cv, sticky)
+        if sig not in memo:
+            memo[sig] = _dram_bytes(p, cv)
+        per_core.append(memo[sig])
     port = float(cfg.dma_bytes_per_cycle)
     shared = cfg.sustained_bandwidth_Bps / cfg.clock_hz
     order = sorted(range(len(per_core)), key=lambda i: per_core[i])

@@ -64,6 +64,8 @@ class Report:
     patches: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     modelled_device_s: float = 0.0
+    #: the spyre side ran through torch.compile (else eager, op by op)
+    compiled: bool = False
 
     @property
     def passed(self) -> bool:
@@ -77,7 +79,8 @@ class Report:
 
     def format(self) -> str:
         lines = [
-            f"validation of {self.model} ({self.kind}) on spyre [{self.device_dtype}] vs cpu fp32"
+            f"validation of {self.model} ({self.kind}) on spyre [{self.device_dtype}, "
+            f"{'compiled' if self.compiled else 'eager'}] vs cpu fp32"
         ]
         if self.patches:
             lines.append("  adapter patches: " + "; ".join(self.patches))
@@ -170,41 +173,22 @@ def greedy(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     steps: int,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
     progress=None,
 ) -> torch.Tensor:
-    """``steps`` greedy tokens per row (batch, steps): prefill, then decode through the cache.
+    """``steps`` greedy tokens per row (batch, steps): prefill, then decode through a
+    static cache (``models.generate``: one shape per bucket, so a compiled model
+    compiles once for the prefill and once for decoding).  The model runs where
+    its parameters are (``device`` is accepted for older callers).
 
     The argmax is taken on the host from the logits, so both sides break ties alike.
     """
-    mask = attention_mask.clone()
-    # left padding: positions count real tokens only (as generate() does)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    out_tokens = []
-    with torch.no_grad():
-        out = model(
-            input_ids=input_ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=pos.to(device),
-            use_cache=True,
-        )
-        for step in range(steps):
-            nxt = _logits(out).argmax(-1, keepdim=True)
-            out_tokens.append(nxt)
-            if progress is not None:
-                progress.update(1)
-            if step == steps - 1:
-                break
-            mask = torch.cat([mask, torch.ones_like(nxt)], dim=-1)
-            pos = pos[:, -1:] + 1
-            out = model(
-                input_ids=nxt.to(device),
-                attention_mask=mask.to(device),
-                position_ids=pos.to(device),
-                cache=out.cache,
-                use_cache=True,
-            )
-    return torch.cat(out_tokens, dim=-1)
+    from torch_spyre.models.generate import generate
+
+    out = generate(model, input_ids, steps, attention_mask=attention_mask)
+    if progress is not None:
+        progress.update(steps)
+    return out.tokens
 
 
 def _teacher_forced_logits(
@@ -325,6 +309,7 @@ def validate_models(
         patches=list(getattr(dev, "spyre_patches", [])),
         wall_s=time.perf_counter() - wall,
         modelled_device_s=torch.spyre.modelled_time_s() - t_model,
+        compiled=bool(getattr(dev, "spyre_compiled", False)),
     )
 
 
@@ -335,10 +320,12 @@ def validate(
     prompts: int | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = False,
+    compile: bool = False,
 ) -> Report:
     """Load ``model`` (offline name or folder) on CPU and spyre and compare them.
 
-    ``prompts``: how many of the fixed prompts/sentences to use (default all).
+    ``prompts``: how many of the fixed prompts/sentences to use (default all);
+    ``compile``: run the spyre side through ``torch.compile`` (the spyre backend).
     """
     from torch_spyre import models
 
@@ -348,7 +335,7 @@ def validate(
     tok = models.load_tokenizer(model)
     known = models.offline.lookup(model)
     name = known.name if known else str(model)
-    dev = models.prepare(copy.deepcopy(ref), dtype=dtype)
+    dev = models.prepare(copy.deepcopy(ref), dtype=dtype, compile=compile)
     if kind == "embedding":
         texts = list(SENTENCES[:prompts])
         batch = tok(texts, padding=True, return_tensors="pt")

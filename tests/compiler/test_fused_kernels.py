@@ -1,0 +1,319 @@
+"""Multi-matmul kernel programs: the fused SwiGLU MLP and flash attention.
+
+Both are reached through ``torch.compile(fullgraph=True)`` on spyre tensors
+(the SwiGLU pattern by the spyre post-grad pass, attention by the
+``spyre::attention`` op registered ahead of PyTorch's SDPA decomposition) and
+run as ONE kernel program each; values match the CPU at the dtype's
+tolerances, nothing falls back to the host.  Large shapes are only timed
+(``torch_spyre.sim.timing_only``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_spyre.compiler import options
+from torch_spyre.profiler import profile
+from torch_spyre.runtime import dispatch_stats
+from torch_spyre.sim import Dim, HardwareConfig, Matmul, Store, kernels, timing_only
+from torch_spyre.sim.timing import estimate
+from torch_spyre.testing import tolerances
+
+H = torch.float16
+
+
+def _run_compiled(fn, args, dtype, **planning):
+    """(output, kernels of a profiled second call, host fallbacks) of ``fn``
+    compiled on spyre tensors."""
+    torch._dynamo.reset()
+    dev = [a.to("spyre") if isinstance(a, torch.Tensor) else a for a in args]
+    with options.planning(**planning):
+        cf = torch.compile(fn, fullgraph=True, dynamic=False)
+        dispatch_stats.reset("fallback")
+        cf(*dev)
+        with profile() as prof:
+            out = cf(*dev)
+    return out, prof.kernels, dispatch_stats.counts("fallback"), prof.fallbacks
+
+
+def _program(name: str):
+    """The kernel program last built under ``name`` (from the kernel cache)."""
+    from torch_spyre.ops import launch
+
+    progs = [k.program for k in launch._cache.values() if k.program and k.program.name == name]
+    assert progs, name
+    return progs[-1]
+
+
+# ------------------------------------------------------------------ SwiGLU
+def swiglu(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def _mlp_args(lead, k, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(*lead, k, generator=g).to(dtype),
+        (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype),
+        (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype),
+        (torch.randn(k, n, generator=g) / math.sqrt(n)).to(dtype),
+    ]
+
+
+@pytest.mark.parametrize(
+    "lead,dtype", [((2, 16), H), ((77,), H), ((1, 77), torch.float32)], ids=str
+)
+def test_swiglu_mlp_is_one_program_matching_cpu(lead, dtype):
+    args = _mlp_args(lead, 128, 320, dtype)
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(swiglu, args, dtype)
+    want = swiglu(*[a.double() for a in args]).to(dtype)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    assert len(ks) == 1 and ks[0].name.startswith("swiglu_mlp_"), [k.name for k in ks]
+    mms = [s for s in _program(ks[0].name).steps if isinstance(s, Matmul)]
+    assert len(mms) == 3  # gate, up and down on the PE array
+    # only the output is stored: the hidden activation stays in the LX
+    assert [s.operand for s in _program(ks[0].name).steps if isinstance(s, Store)] == ["out"]
+
+
+def test_swiglu_unfused_plan_keeps_the_matmuls_apart():
+    args = _mlp_args((16,), 128, 256, H)
+    out, ks, *_ = _run_compiled(swiglu, args, H, fusion=False)
+    torch.testing.assert_close(out.cpu(), swiglu(*[a.float() for a in args]).to(H), **tolerances(H))
+    assert len(ks) >= 3 and not any(k.name.startswith("swiglu") for k in ks)
+
+
+def test_fused_swiglu_at_granite_size_reads_every_weight_once():
+    """The Granite MLP (M=512), planned and timed only (no values)."""
+    fused = kernels.best_swiglu_mlp(1, 512, 4096, 12800, 4096, batched=False)
+    rep = estimate(fused)
+    # every weight read once (multicast over the row-splitting cores)
+    weights = 3 * 4096 * 12800 * 2
+    assert weights <= rep.dram_bytes < 1.05 * weights
+    # separate programs would also move the hidden activations (gate, up,
+    # product: written and read back) through device memory
+    hidden = 2 * 512 * 12800 * 2 * 3
+    assert rep.time_s < (weights + hidden) / HardwareConfig().sustained_bandwidth_Bps
+    with timing_only():  # and it launches on the card without computing
+        x, wg, wu = (
+            torch.empty(s, dtype=H, device="spyre") for s in ((512, 4096),) + ((12800, 4096),) * 2
+        )
+        wd = torch.empty(4096, 12800, dtype=H, device="spyre")
+        with profile() as prof:
+            torch.ops.spyre.swiglu_mlp(x, wg, wu, wd)
+    assert [k.time_s for k in prof.kernels] == [pytest.approx(rep.time_s)]
+
+
+# ---------------------------------------------------------------- attention
+def _qkv(b, hq, hk, sq, skv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(b, hq, sq, d, generator=g).to(dtype),
+        torch.randn(b, hk, skv, d, generator=g).to(dtype),
+        torch.randn(b, hk, skv, d, generator=g).to(dtype),
+    ]
+
+
+def _sdpa(mask_kind):
+    def fn(q, k, v, *mask):
+        gqa = k.shape[1] != q.shape[1]
+        if mask_kind == "causal":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[0] if mask else None, enable_gqa=gqa
+        )
+
+    return fn
+
+
+def _mask(kind, b, hq, sq, skv, dtype):
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":  # padding mask over keys, broadcast over heads
+        keep = torch.rand(b, 1, sq, skv, generator=g) > 0.3
+        keep[..., 0] = True
+        return [keep]
+    if kind == "additive":  # per head
+        return [torch.randn(b, hq, sq, skv, generator=g).to(dtype)]
+    return []
+
+
+ATTENTION = [
+    # b, hq, hk, sq, skv, d, dtype, mask
+    (1, 4, 4, 64, 64, 64, H, "causal"),
+    (2, 4, 2, 77, 77, 64, H, "causal"),  # GQA, odd length
+    (1, 8, 2, 77, 77, 128, torch.float32, "causal"),
+    (2, 4, 2, 5, 77, 64, H, "bool"),  # queries against a longer cache
+    (1, 4, 2, 1, 77, 64, H, "bool"),  # decode: one query
+    (1, 4, 4, 33, 40, 64, torch.float32, "additive"),
+    (1, 2, 2, 16, 16, 64, H, "none"),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION, ids=lambda c: "-".join(map(str, c)))
+def test_attention_is_one_flash_program_matching_cpu(case):
+    b, hq, hk, sq, skv, d, dtype, mask = case
+    args = _qkv(b, hq, hk, sq, skv, d, dtype) + _mask(mask, b, hq, sq, skv, dtype)
+    fn = _sdpa(mask)
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, args, dtype)
+    want = fn(*[a.double() if a.is_floating_point() else a for a in args]).to(dtype)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    assert len(ks) == 1 and ks[0].name.startswith("flash_attn_"), [k.name for k in ks]
+    prog = _program(ks[0].name)
+    assert sum(isinstance(s, Matmul) for s in prog.steps) == 2  # q k^T and p v
+    assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
+
+
+def test_eager_sdpa_runs_the_flash_program():
+    q, k, v = _qkv(1, 4, 2, 24, 24, 64, H)
+    dispatch_stats.reset("fallback")
+    with profile() as prof:
+        out = F.scaled_dot_product_attention(
+            q.to("spyre"), k.to("spyre"), v.to("spyre"), is_causal=True, enable_gqa=True
+        )
+    want = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(out.cpu(), want.to(H), **tolerances(H))
+    assert [kk.name for kk in prof.kernels] == ["flash_attn_1x4x24x24x64_causal_gqa2"]
+    assert dispatch_stats.counts("fallback") == {}
+
+
+def test_naive_plan_keeps_the_decomposed_attention():
+    args = _qkv(1, 2, 2, 16, 16, 64, H)
+    out, ks, *_ = _run_compiled(_sdpa("causal"), args, H, naive=True)
+    want = _sdpa("causal")(*[a.float() for a in args]).to(H)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(H))
+    assert len(ks) > 1 and not any(k.name.startswith("flash_attn") for k in ks)
+
+
+def test_causal_blocks_above_the_diagonal_are_skipped():
+    """The timing model counts only the (query tile, key tile) pairs that run."""
+    kw = dict(split=(1, 32, 1, 1), tiles=(128, 128))
+    full = estimate(kernels.flash_attention(1, 32, 32, 1024, 1024, 128, mask=None, **kw))
+    causal = estimate(kernels.flash_attention(1, 32, 32, 1024, 1024, 128, causal=True, **kw))
+    # 8 query tiles x 8 key tiles: 36 of 64 pairs run; K and V are read by them
+    kv = 2 * 32 * 1024 * 128 * 2
+    q_out = 2 * 32 * 1024 * 128 * 2
+    assert full.dram_bytes == pytest.approx(q_out + 8 * kv, rel=0.01)
+    assert causal.dram_bytes == pytest.approx(q_out + 8 * kv * 36 / 64, rel=0.01)
+    assert causal.time_s < 0.75 * full.time_s
+    bad = kernels.flash_attention(1, 2, 2, 64, 64, 64, causal=True)
+    dims = tuple(
+        Dim(x.name, x.size, x.cores, x.tile, x.chunk, "nope" if x.causal_to else None)
+        for x in bad.dims
+    )
+    with pytest.raises(ValueError, match="causal to 'nope'"):
+        type(bad)(bad.name, dims, bad.operands, bad.buffers, bad.steps, bad.loop_order).validate()
+
+
+def test_grouped_kv_heads_are_read_once_per_group():
+    """Granite: 32 query heads over 8 KV heads, timed only."""
+    gqa = estimate(kernels.best_flash_attention(1, 32, 8, 1024, 1024, 128, causal=True))
+    mha = estimate(kernels.best_flash_attention(1, 32, 32, 1024, 1024, 128, causal=True))
+    q_out = 2 * 32 * 1024 * 128 * 2
+    assert gqa.dram_bytes < q_out + 2 * 8 * 1024 * 128 * 2 * 1.05
+    assert gqa.dram_bytes < 0.7 * mha.dram_bytes
+    assert gqa.time_s < mha.time_s
+
+
+def _run_tile_by_tile(prog, host):
+    """Run a flash-attention program as the card would: the steps of the key
+    loop once per key tile, a contraction over the key dim adding into (sum)
+    or maxing with (max) the buffer's running value from the second tile on.
+    ``host``: operand name -> host tensor.  Returns the output (host)."""
+    from dataclasses import replace
+
+    from torch_spyre.sim import Load
+    from torch_spyre.sim import executor as ex
+
+    dev = {
+        o.name: o.layout.to_device(host[o.name].reshape(o.layout.host_size)).contiguous()
+        for o in prog.operands
+        if o.name in host
+    }
+    out = prog.operand("out").layout
+    dev["out"] = torch.zeros(out.device_size, dtype=out.dtype)
+    kv = prog.dim("kv")
+    env: dict = {}
+    inner = [s for s in prog.steps if "kv" in s.loops]
+    first, last = prog.steps.index(inner[0]), prog.steps.index(inner[-1])
+    outer_before, outer_after = prog.steps[:first], prog.steps[last + 1 :]
+
+    def run(p, steps, accumulate):
+        for s in steps:
+            if isinstance(s, Load):
+                env[s.buffer] = ex._load(p, s, dev)
+            elif isinstance(s, Store):
+                ex._store(p, s, env[s.buffer], dev)
+            else:
+                fn = {"vector": ex._vector, "matmul": ex._matmul, "reduce": ex._reduce}[s.kind]
+                new = fn(p, s, env)
+                contracts = s.kind in ("matmul", "reduce") and "kv" not in p.buffer(s.out).dims
+                if accumulate and contracts:
+                    old = env[s.out].aligned(new.dims)
+                    comb = torch.maximum if getattr(s, "op", "sum") == "max" else torch.add
+                    new = ex._Value(comb(old.float(), new.t.float()).to(new.t.dtype), new.dims)
+                env[s.out] = new
+
+    run(prog, outer_before, False)
+    for j, start in enumerate(range(0, kv.size, kv.tile_size)):
+        n = min(kv.tile_size, kv.size - start)
+        dims = tuple(replace(d, size=n, tile=None) if d.name == "kv" else d for d in prog.dims)
+        steps = tuple(
+            replace(s, offsets=tuple(start if x == "kv" else 0 for x in s.index))
+            if isinstance(s, Load) and "kv" in s.index
+            else s
+            for s in inner
+        )
+        p = replace(prog, dims=dims, steps=steps)
+        run(p, steps, accumulate=j > 0)
+    run(prog, outer_after, False)
+    return out.to_host(dev["out"].view(out.device_size))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_online_softmax_is_right_tile_by_tile(causal):
+    """The whole-space executor cannot tell a wrong rescale (it sees every key
+    at once); running the key loop tile by tile, as the card does, can."""
+    from torch_spyre.sim import Vector
+
+    b, hq, hk, s, d = 1, 4, 2, 45, 64
+    q, k, v = _qkv(b, hq, hk, s, s, d, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    keep = torch.rand(b, 1, s, s, generator=g) > 0.4
+    keep[..., 0] = True
+    mask = None if causal else ((b, 1, s, s), torch.bool)
+    prog = kernels.flash_attention(
+        b,
+        hq,
+        hk,
+        s,
+        s,
+        d,
+        torch.float32,
+        causal=causal,
+        mask=mask,
+        split=(1, 1, 1, 1),
+        tiles=(s, 16),
+    )
+    host = {"q": q, "k": k, "v": v, "qpos": torch.arange(s) * 1.0, "kvpos": torch.arange(s) * 1.0}
+    if not causal:
+        host["mask"] = keep
+    got = _run_tile_by_tile(prog, host).reshape(b, hq, s, d)
+    want = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if causal else keep, is_causal=causal, enable_gqa=True
+    )
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+    # without the rescale of the running output the tiles disagree
+    broken = tuple(
+        st for st in prog.steps if not (isinstance(st, Vector) and st.out == "o" and st.op == "mul")
+    )
+    from dataclasses import replace
+
+    bad = _run_tile_by_tile(replace(prog, steps=broken), host).reshape(b, hq, s, d)
+    assert not torch.allclose(bad, want, atol=1e-2)

@@ -1,0 +1,79 @@
+"""The SwiGLU MLP as one kernel program: two matmuls sharing the activation,
+the ``silu(g) * u`` epilogue in LX, and the down projection fed from LX.
+
+``spyre::swiglu_mlp(x, wg, wu, wd)`` = ``F.linear(F.silu(F.linear(x, wg)) *
+F.linear(x, wu), wd)`` (nn.Linear weights, no biases) runs
+``sim.kernels.best_swiglu_mlp`` on the card.  The spyre post-grad pass
+(``compiler/passes.py``) routes that pattern of a compiled graph here; the
+eager op is callable directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_spyre.ops import launch, operands
+from torch_spyre.runtime import cards, dispatch_stats
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.library.custom_op("spyre::swiglu_mlp", mutates_args=())
+def swiglu_mlp(
+    x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor
+) -> torch.Tensor:
+    """(silu(x @ wg^T) * (x @ wu^T)) @ wd^T for x [..., K], wg/wu [N, K], wd [E, N]."""
+    if x.device.type == "spyre":
+        out = _device_swiglu(x, wg, wu, wd)
+        if out is not None:
+            return out
+    f = torch.nn.functional
+    return f.linear(f.silu(f.linear(x, wg)) * f.linear(x, wu), wd)
+
+
+@swiglu_mlp.register_fake
+def _(x, wg, wu, wd):
+    return x.new_empty((*x.shape[:-1], wd.shape[0]))
+
+
+def _device_swiglu(x, wg, wu, wd):
+    from torch_spyre.sim import kernels
+
+    if x.dtype not in _FLOATS or not (x.dtype == wg.dtype == wu.dtype == wd.dtype):
+        return None
+    k = x.shape[-1]
+    n, e = wg.shape[0], wd.shape[0]
+    if wg.shape != (n, k) or wu.shape != (n, k) or wd.shape != (e, n) or x.numel() == 0:
+        return None
+    lead = tuple(x.shape[:-1])
+    if len(lead) == 2:  # [B, S, K]: read in its own layout, no re-layout
+        b, m, batched = lead[0], lead[1], True
+        xx = operands.whole(x)
+    else:
+        b, m, batched = 1, max(1, x.numel() // k), False
+        xx = operands.whole(x.reshape(m, k))
+    dev = x.device
+    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched)
+
+    def build() -> launch.Kernel:
+        cfg = cards.config(dev.index or 0)
+        p = kernels.best_swiglu_mlp(b, m, k, n, e, x.dtype, batched=batched, config=cfg)
+        return launch.Kernel(p)
+
+    try:
+        kern = launch.kernel(key, build)
+    except Exception:  # no plan fits (e.g. a core's span): the three matmuls run apart
+        return None
+    if kern.program is None:
+        return None
+    out = torch.empty((*lead, e), dtype=x.dtype, device=dev)
+    bufs = {
+        "x": operands.device_memory(xx),
+        "wg": operands.device_memory(operands.whole(wg)),
+        "wu": operands.device_memory(operands.whole(wu)),
+        "wd": operands.device_memory(operands.whole(wd)),
+        "out": operands.device_memory(out),
+    }
+    kern.launch_memory(dev.index or 0, bufs)
+    dispatch_stats.record("kernel", "swiglu_mlp")
+    return out
