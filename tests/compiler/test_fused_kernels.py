@@ -108,6 +108,62 @@ def test_fused_swiglu_at_granite_size_reads_every_weight_once():
     assert [k.time_s for k in prof.kernels] == [pytest.approx(rep.time_s)]
 
 
+def _swiglu_residual(scale):
+    def fn(res, x, wg, wu, wd):
+        y = swiglu(x, wg, wu, wd)
+        return res + (y if scale is None else y * scale)
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "lead,dtype,scale",
+    [((2, 16), H, 0.22), ((77,), H, None), ((1, 8), H, 0.5), ((1, 40), torch.float32, 0.22)],
+    ids=str,
+)
+def test_residual_add_is_the_swiglu_programs_epilogue(lead, dtype, scale):
+    """``res + mlp`` and Granite's ``res + mlp * c``: one program, the add
+    in the down projection's epilogue (``spyre::swiglu_mlp_add``)."""
+    args = _mlp_args(lead, 128, 320, dtype)
+    res = torch.randn(*lead, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fn = _swiglu_residual(scale)
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, [res, *args], dtype)
+    want = fn(*[a.double() for a in (res, *args)]).to(dtype)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    assert [k.name for k in ks] == [_program(ks[0].name).name]
+    assert ks[0].name.startswith("swiglu_mlp_") and ks[0].name.endswith("_res")
+    prog = _program(ks[0].name)
+    assert "res" in [o.name for o in prog.operands]
+    assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
+
+
+def test_residual_swiglu_with_the_hidden_dim_split_over_cores():
+    """The cores splitting the hidden dim all-reduce, then each adds the
+    residual once (a plan with the hidden dim split, run eagerly)."""
+    lead, k, n = (1, 2), 128, 512
+    args = _mlp_args(lead, k, n, H)
+    res = torch.randn(*lead, k, generator=torch.Generator().manual_seed(4)).to(H)
+    dispatch_stats.reset("kernel")
+    out = torch.ops.spyre.swiglu_mlp_add(*[a.to("spyre") for a in args], res.to("spyre"), 0.3)
+    assert dispatch_stats.counts("kernel").get("swiglu_mlp_add") == 1
+    want = (res.double() + swiglu(*[a.double() for a in args]) * 0.3).to(H)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(H))
+    p = kernels.best_swiglu_mlp(1, 2, k, n, k, H, residual=0.3)
+    assert next(d for d in p.dims if d.name == "n").cores > 1
+
+
+def test_residual_swiglu_at_granite_size_keeps_the_plain_tiles():
+    """At prefill size the residual tile reuses the activation's LX (dead
+    once the hidden blocks are done): same split and tiles as the plain
+    program, and only the residual read added to its time."""
+    plain = kernels.best_swiglu_mlp(1, 1024, 4096, 12800, 4096)
+    res = kernels.best_swiglu_mlp(1, 1024, 4096, 12800, 4096, residual=0.22)
+    assert [(d.cores, d.tile) for d in plain.dims] == [(d.cores, d.tile) for d in res.dims]
+    tp, tr = estimate(plain).time_s, estimate(res).time_s
+    assert tp < tr < tp + 2 * 1024 * 4096 * 2 / HardwareConfig().sustained_bandwidth_Bps
+
+
 # ---------------------------------------------------------------- attention
 def _qkv(b, hq, hk, sq, skv, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -166,6 +222,69 @@ def test_attention_is_one_flash_program_matching_cpu(case):
     prog = _program(ks[0].name)
     assert sum(isinstance(s, Matmul) for s in prog.steps) == 2  # q k^T and p v
     assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c for c in ATTENTION if c[-1] in ("causal", "bool") and c[3] > 1],
+    ids=lambda c: "-".join(map(str, c)),
+)
+def test_attention_output_is_stored_token_major(case):
+    """``sdpa(...).transpose(1, 2).contiguous()`` (what every HF attention
+    does before the output projection): the flash program stores the
+    [B, S, H, D] layout itself, one program and no permute pass.  (One
+    query is a view already: nothing to fuse.)"""
+    b, hq, hk, sq, skv, d, dtype, mask = case
+    args = _qkv(b, hq, hk, sq, skv, d, dtype) + _mask(mask, b, hq, sq, skv, dtype)
+    sdpa = _sdpa(mask)
+
+    def fn(*a):
+        return sdpa(*a).transpose(1, 2).contiguous()
+
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, args, dtype)
+    want = fn(*[a.double() if a.is_floating_point() else a for a in args]).to(dtype)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    assert len(ks) == 1 and ks[0].name.endswith("_bshd"), [k.name for k in ks]
+    assert out.shape == (b, sq, hq, d)
+    store = next(s for s in _program(ks[0].name).steps if isinstance(s, Store))
+    assert store.index == ("b", "q", "h", "g", "d")
+
+
+def test_decoder_layer_has_no_relayout_copies():
+    """Inductor reuses freed buffers only for the same shape and strides on
+    spyre (a buffer keeps the stick layout it was allocated with; reusing
+    it in another shape would re-lay every operand through a d2d copy), and
+    attention operands are stored contiguous: a llama-style attention
+    block + MLP moves no data outside its kernels."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    s, e, hq, hk, dh, n = 64, 256, 4, 2, 64, 384
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(H)
+
+    ws = [w(hq * dh, e), w(hk * dh, e), w(hk * dh, e), w(e, hq * dh), w(n, e), w(n, e), w(e, n)]
+    x = torch.randn(1, s, e, generator=g).to(H)
+
+    def block(x, wq, wk, wv, wo, wg, wu, wd):
+        q = F.linear(x, wq).view(1, s, hq, dh).transpose(1, 2)
+        k = F.linear(x, wk).view(1, s, hk, dh).transpose(1, 2)
+        v = F.linear(x, wv).view(1, s, hk, dh).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = x + F.linear(a.transpose(1, 2).reshape(1, s, hq * dh), wo)
+        return h + swiglu(h, wg, wu, wd)
+
+    dev = [t.to("spyre") for t in (x, *ws)]
+    cf = torch.compile(block, fullgraph=True, dynamic=False)
+    cf(*dev)
+    with profile() as prof:
+        out = cf(*dev)
+    want = block(*[t.double() for t in (x, *ws)]).to(H)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(H))
+    assert [t.kind for t in prof.transfers if t.kind == "d2d"] == []
+    names = [k.name for k in prof.kernels]
+    assert any(n.endswith("_bshd") for n in names) and any(n.endswith("_res") for n in names)
 
 
 def test_eager_sdpa_runs_the_flash_program():

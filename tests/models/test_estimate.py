@@ -191,9 +191,10 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
     # (dram_efficiency 0.582: 1.72x the peak floor)
     assert r["decode_vs_sustained_bandwidth_floor"] >= 1.0
     if r["decode_vs_peak_bandwidth_floor"] > 1.3:
-        # not met: the calibrated sustained bandwidth alone is 1.72x; the plan 2.51x
-        assert r["decode_vs_peak_bandwidth_floor"] <= 2.6
-        assert r["decode_vs_sustained_bandwidth_floor"] <= 1.5
-    if r["prefill_vs_compute_floor"] > 1.5:
-        # not met: unfused fp32 attention and activation re-lays (performance.md); 3.52x
-        assert r["prefill_vs_compute_floor"] <= 3.7
+        # not met: the calibrated sustained bandwidth alone is 1.72x; the plan
+        # 1.87x (1.09x of the sustained floor)
+        assert r["decode_vs_peak_bandwidth_floor"] <= 1.88
+        assert r["decode_vs_sustained_bandwidth_floor"] <= 1.10
+    # met: 1.49x (no re-lay copies, residual add in the MLP program, attention
+    # stored token-major; performance.md)
+    assert r["prefill_vs_compute_floor"] <= 1.5

@@ -23,6 +23,8 @@ def _worker_state(worker) -> dict:
         "steps": stats.steps,
         "history": list(stats.history),
         "modelled_s": stats.modelled_s,
+        "compiled": None if runner.compiled is None else runner.compiled.summary(),
+        "head": None if runner.compiled_head is None else runner.compiled_head.summary(),
     }
 
 
@@ -83,6 +85,70 @@ def test_tiny_llama_greedy_equals_cpu(tiny_llm, tiny_llama_ref, hf_greedy):
     assert all(s > 0 for _, _, s in new)
 
 
+def _kernel_counts() -> dict[str, int]:
+    from torch_spyre.runtime import dispatch_stats
+
+    return dispatch_stats.counts("kernel")
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
+# Eager kernels a compiled step may still launch: the paged attention (the opaque op
+# in the graph: KV write, gathers, SDPA as bmm/softmax/masking; attention.py), the
+# gather of the sampled rows and their zero padding for the compiled LM head.
+ATTENTION_AND_PADDING = {
+    *("index_copy", "index_select", "index", "cat", "zero_", "fill_", "copy_", "_to_copy"),
+    *("bmm", "_softmax", "mul", "add", "where", "all", "isneginf"),
+}
+
+
+def test_layers_run_compiled_one_graph_per_bucket(tiny_llm, tiny_llama_ref, hf_greedy):
+    """The decoder layers run as compiled spyre kernel programs; graphs stay bounded."""
+    torch_spyre.reset_fallback_counts()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    s0 = tiny_llm.collective_rpc(_worker_state)[0]
+    assert s0["compiled"] is not None, "TORCH_SPYRE_VLLM_COMPILE is on by default"
+    buckets = s0["compiled"]["buckets"]
+    assert buckets == [16, 32]  # max_num_batched_tokens=32
+    k0 = _kernel_counts()
+    outs = _generate(tiny_llm, prompts, 12)
+    k1 = _kernel_counts()
+    s1 = tiny_llm.collective_rpc(_worker_state)[0]
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 12), p
+    assert torch_spyre.fallback_counts() == {}
+    ran = _delta(k1, k0)
+    compiled = {k: n for k, n in ran.items() if k.startswith("compiled.")}
+    steps = s1["steps"] - s0["steps"]
+    assert steps >= 12
+    # every step launched the compiled programs of both decoder layers (norms,
+    # QKV, rotary, output projection, MLP): many programs per step
+    assert sum(compiled.values()) >= 8 * steps, compiled
+    # what ran eagerly is attention (the opaque op) and the LM head only
+    eager = {k.split(".")[0] for k in ran if not k.startswith("compiled.")}
+    assert not {"rsqrt", "silu", "mean", "pow", "neg"} & eager, eager
+    assert eager <= ATTENTION_AND_PADDING, eager - ATTENTION_AND_PADDING
+    # the LM head too: compiled per bucket of sampled rows (max_num_seqs=4: one)
+    h0, h1 = s0["head"], s1["head"]
+    assert h1["buckets"] == [4] and h1["graphs"] == 1
+    assert sum(h1["calls"].values()) - sum(h0["calls"].values()) == steps
+    # the forward ran once per step, in buckets; at most one graph per bucket
+    c0, c1 = s0["compiled"], s1["compiled"]
+    assert sum(c1["calls"].values()) - sum(c0["calls"].values()) == steps
+    assert set(c1["calls"]) <= set(buckets)
+    assert c1["graphs"] == len(c1["compile_s"]) <= len(buckets)
+    # more decode steps (and prefills of other lengths) compile nothing new
+    more = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 11, 2, 25)]
+    _generate(tiny_llm, more, 10)
+    c2 = tiny_llm.collective_rpc(_worker_state)[0]["compiled"]
+    assert c2["graphs"] == c1["graphs"] and set(c2["compile_s"]) == set(c1["compile_s"])
+    assert tiny_llm.collective_rpc(_worker_state)[0]["head"]["graphs"] == 1
+    assert sum(c2["calls"].values()) >= sum(c1["calls"].values()) + 10
+
+
 def test_chunked_prefill_gives_the_same_tokens(tiny_llm, tiny_llama_ref, hf_greedy):
     g = torch.Generator().manual_seed(3)
     long_prompt = torch.randint(0, 256, (75,), generator=g).tolist()
@@ -141,3 +207,41 @@ def test_smollm2_greedy_equals_cpu_on_five_prompts(hf_greedy):
     assert state["weights"] == {"spyre"} and state["kv"] == {"spyre"}
     assert torch_spyre.fallback_counts() == {}
     assert state["steps"] >= n and state["modelled_s"] > 0
+    # compiled: prompts (34 tokens) in the 64 bucket, decodes (5 tokens) in the 16
+    # bucket; one graph each, every step through them; the LM head's own graph
+    c = state["compiled"]
+    assert c["calls"].get(16, 0) >= n - 1 and sum(c["calls"].values()) == state["steps"]
+    assert c["graphs"] == len(c["compile_s"]) == len(c["calls"]) <= 2
+    assert state["head"]["graphs"] == 1
+
+
+# Last in the module: closing a second in-process engine tears down vLLM's process
+# groups, which the module's tiny_llm needs (the SmolLM2 test above is the same).
+def test_compile_switch_off_runs_eagerly(tiny_llama_dir, tiny_llama_ref, hf_greedy, monkeypatch):
+    from vllm import LLM
+
+    monkeypatch.setenv("TORCH_SPYRE_VLLM_COMPILE", "0")
+    llm = LLM(
+        model=tiny_llama_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=8 << 20,
+        seed=0,
+    )
+    try:
+        g = torch.Generator().manual_seed(6)
+        prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (4, 9)]
+        k0 = _kernel_counts()
+        outs = _generate(llm, prompts, 4)
+        ran = _delta(_kernel_counts(), k0)
+        state = llm.collective_rpc(_worker_state)[0]
+    finally:
+        _close(llm)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 4), p
+    assert state["compiled"] is None and state["head"] is None
+    assert not any(k.startswith("compiled.") for k in ran), ran
+    eager = {k.split(".")[0] for k in ran}
+    assert {"rsqrt", "silu", "mean"} <= eager, ran  # the layers' own eager kernels

@@ -110,3 +110,22 @@ def test_unsupported_attention_features_are_named(attention, what):
     kwargs[what] = [1.0] if what == "alibi_slopes" else 8
     with pytest.raises(NotImplementedError, match=what):
         attention.SpyreAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="auto", **kwargs)
+
+
+def test_token_buckets(monkeypatch):
+    from torch_spyre.vllm_plugin import compile as spyre_compile
+
+    monkeypatch.delenv("TORCH_SPYRE_VLLM_BUCKETS", raising=False)
+    assert spyre_compile.buckets(32) == [16, 32]
+    assert spyre_compile.buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert spyre_compile.buckets(100) == [16, 32, 64, 100]
+    assert spyre_compile.buckets(8) == [8]
+    sizes = spyre_compile.buckets(100)
+    picked = [spyre_compile.bucket_for(n, sizes) for n in (1, 16, 17, 65, 100)]
+    assert picked == [16, 16, 32, 100, 100]
+    with pytest.raises(ValueError, match="exceed"):
+        spyre_compile.bucket_for(101, sizes)
+    monkeypatch.setenv("TORCH_SPYRE_VLLM_BUCKETS", "64, 8")
+    assert spyre_compile.buckets(100) == [8, 64, 100]
+    monkeypatch.setenv("TORCH_SPYRE_VLLM_COMPILE", "0")
+    assert not spyre_compile.enabled()

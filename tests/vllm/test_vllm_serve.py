@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -216,7 +217,12 @@ def test_sixteen_concurrent_requests_none_lost_or_mixed(server, expected):
     ]
     assert steps and float(steps[0].split()[1]) >= MAX_TOKENS
     assert total and float(total[0].split()[1]) > 0
-    assert "modelled device time" in server["log"].read_text()
+    log = server["log"].read_text()
+    assert "modelled device time" in log
+    # the layers ran compiled: one graph per token bucket, each compiled once
+    compiled = re.findall(r"compiled the forward for the (\d+)-token bucket", log)
+    assert compiled and len(compiled) == len(set(compiled)), compiled
+    assert "16" in compiled  # the decode steps of the 16 requests
     print(f"16 concurrent requests x {MAX_TOKENS} tokens: {wall:.1f} s wall")
 
 

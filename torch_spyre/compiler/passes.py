@@ -17,9 +17,13 @@ fuses what one kernel program does better than Inductor's groups:
   ``spyre::swiglu_mlp`` (``ops/mlp.py``): gate and up projections in one
   program sharing the activation tile, their epilogue in LX and the down
   projection fed from LX (skipped under ``planning(fusion=False)`` / naive);
+  a residual add of its output (``res + mlp``, ``res + mlp * c``) becomes
+  ``spyre::swiglu_mlp_add``, the add as the down projection's epilogue;
 * scaled dot-product attention reaches the graph already as
   ``spyre::attention`` (``ops/attention.py``: registered before PyTorch's
-  decomposition), one flash-attention program;
+  decomposition), one flash-attention program; its ``transpose(1, 2)
+  .contiguous()`` becomes ``spyre::attention_bshd``, the program storing
+  token-major;
 
 and rewrites what the vector units cannot do into what the PE array can:
 
@@ -230,14 +234,25 @@ def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
         return False
     changed = False
     for node in list(gm.graph.nodes):
-        if not _is(node, "mm") or not _on_spyre(node):
+        res = None  # addmm(res, h, wd.T): what ``res + mlp`` of 2-D rows becomes
+        if _is(node, "addmm") and _on_spyre(node) and len(node.args) == 3 and not node.kwargs:
+            rv, ov = node.args[0].meta.get("val"), node.meta["val"]
+            if not isinstance(rv, torch.Tensor) or rv.shape != ov.shape or rv.dtype != ov.dtype:
+                continue
+            res = node.args[0]
+            wt = node.args[2]
+            if not (_is(wt, "permute") and list(wt.args[1]) == [1, 0]):
+                continue
+            down = (node.args[1], wt.args[0])
+        elif _is(node, "mm") and _on_spyre(node):
+            down = _linear_of(node, [])
+        else:
             continue
         seen: list = [node]
-        down = _linear_of(node, [])
         if down is None:
             continue
         h, wd = down
-        seen.append(node.args[1])
+        seen.append(node.args[-1])
         prod = _through_views(h, seen)
         if not _is(prod, "mul") or len(prod.args) != 2:
             continue
@@ -272,15 +287,140 @@ def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
         inner = set(seen) - {node}
         if any(u not in inner and u is not node for n in inner for u in n.users):
             continue
+        oshape = (*xv.shape[:-1], wv[2].shape[0])
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.spyre.swiglu_mlp.default, (x, wg, wu, wd))
+            if res is None:
+                new = gm.graph.call_function(torch.ops.spyre.swiglu_mlp.default, (x, wg, wu, wd))
+            else:
+                r = gm.graph.call_function(torch.ops.aten.reshape.default, (res, list(oshape)))
+                new = gm.graph.call_function(
+                    torch.ops.spyre.swiglu_mlp_add.default, (x, wg, wu, wd, r, 1.0)
+                )
             flat = gm.graph.call_function(
                 torch.ops.aten.reshape.default, (new, list(node.meta["val"].shape))
             )
-        val = torch.ops.spyre.swiglu_mlp.default(xv, *wv)
+        if res is None:
+            val = torch.ops.spyre.swiglu_mlp.default(xv, *wv)
+        else:
+            r.meta["val"] = res.meta["val"].reshape(oshape)
+            val = torch.ops.spyre.swiglu_mlp_add.default(xv, *wv, r.meta["val"], 1.0)
         new.meta["val"] = val
         flat.meta["val"] = val.reshape(node.meta["val"].shape)
         node.replace_all_uses_with(flat)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return changed
+
+
+def _fuse_swiglu_residual(gm: torch.fx.GraphModule) -> bool:
+    """``res + swiglu_mlp(...)`` and ``res + swiglu_mlp(...) * c`` (a decoder
+    layer's residual add, with Granite's residual multiplier) ->
+    ``spyre::swiglu_mlp_add``: the add is the down projection's epilogue, so
+    the MLP output never makes a separate pass through device memory."""
+    from torch_spyre.compiler import options
+    from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp_add)
+
+    if not options.current().fuse:
+        return False
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is(node, "add") or len(node.args) != 2 or node.kwargs or not _on_spyre(node):
+            continue
+        found = None
+        for res, other in (node.args, node.args[::-1]):
+            scale, seen = 1.0, []
+            if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
+                c = [a for a in other.args if isinstance(a, (int, float))]
+                t = [a for a in other.args if isinstance(a, torch.fx.Node)]
+                if len(c) != 1 or len(t) != 1:
+                    continue
+                scale, seen = float(c[0]), [other]
+                other = t[0]
+            mlp_node = _through_views(other, seen)
+            if (
+                isinstance(res, torch.fx.Node)
+                and isinstance(mlp_node, torch.fx.Node)
+                and mlp_node.op == "call_function"
+                and mlp_node.target is torch.ops.spyre.swiglu_mlp.default
+            ):
+                found = (res, scale, mlp_node, seen)
+                break
+        if found is None:
+            continue
+        res, scale, mlp_node, seen = found
+        rv, ov, mv = res.meta.get("val"), node.meta.get("val"), mlp_node.meta.get("val")
+        if not all(isinstance(v, torch.Tensor) for v in (rv, ov, mv)):
+            continue
+        if rv.shape != ov.shape or rv.dtype != ov.dtype != mv.dtype or ov.numel() != mv.numel():
+            continue
+        if ov.dtype != mv.dtype:
+            continue
+        # the MLP output and the views between must feed only this add
+        inner = [mlp_node, *seen]
+        if any(u not in inner and u is not node for n in inner for u in n.users):
+            continue
+        with gm.graph.inserting_before(node):
+            r = gm.graph.call_function(torch.ops.aten.reshape.default, (res, list(mv.shape)))
+            new = gm.graph.call_function(
+                torch.ops.spyre.swiglu_mlp_add.default, (*mlp_node.args, r, scale)
+            )
+            flat = gm.graph.call_function(torch.ops.aten.reshape.default, (new, list(ov.shape)))
+        r.meta["val"] = rv.reshape(mv.shape)
+        val = torch.ops.spyre.swiglu_mlp_add.default(
+            *[a.meta["val"] for a in mlp_node.args], r.meta["val"], scale
+        )
+        new.meta["val"] = val
+        flat.meta["val"] = val.reshape(ov.shape)
+        node.replace_all_uses_with(flat)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return changed
+
+
+def _fuse_attention_transpose(gm: torch.fx.GraphModule) -> bool:
+    """``clone(permute(spyre.attention(...), [0, 2, 1, 3]))`` (the
+    ``transpose(1, 2).contiguous()`` after SDPA) -> ``spyre::attention_bshd``:
+    the flash program stores its output token-major, no permute pass."""
+    from torch_spyre.compiler import options
+    from torch_spyre.ops import attention  # noqa: F401  (registers the ops)
+
+    if not options.current().fuse:
+        return False
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not _is(node, "clone") or not _on_spyre(node):
+            continue
+        mf = node.kwargs.get("memory_format", torch.contiguous_format)
+        if mf not in (torch.contiguous_format, torch.preserve_format):
+            continue
+        perm = node.args[0]
+        if not _is(perm, "permute") or list(perm.args[1]) not in ([0, 2, 1, 3], [0, 2, 1, -1]):
+            continue
+        att = perm.args[0]
+        if not (
+            isinstance(att, torch.fx.Node)
+            and att.op == "call_function"
+            and att.target is torch.ops.spyre.attention.default
+            and len(att.users) == 1
+            and len(perm.users) == 1
+        ):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous() or att.kwargs:
+            continue
+        new_val = torch.ops.spyre.attention_bshd.default(
+            *[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in att.args]
+        )
+        if new_val.shape != val.shape:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.spyre.attention_bshd.default, att.args)
+        new.meta["val"] = new_val
+        node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         changed = True
     if changed:
@@ -292,6 +432,8 @@ class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
         changed = _fuse_swiglu(gm) or changed
+        changed = _fuse_swiglu_residual(gm) or changed
+        changed = _fuse_attention_transpose(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
             if route is None or not _on_spyre(node):

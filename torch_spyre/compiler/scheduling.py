@@ -681,6 +681,35 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
         super().write_header()
         self.header.writeline("from torch_spyre.compiler import runtime as spyre_rt")
 
+    def memory_plan_reuse(self) -> None:
+        """Inductor's buffer reuse, keyed also by shape and strides on spyre.
+
+        A device buffer is stored in the stick layout of the shape it was
+        allocated with (docs/hardware.md, "Layout rule"); Inductor reuses a
+        freed buffer of the same byte size for any shape
+        (``reinterpret_tensor``), and a kernel reading or writing that view in
+        another shape's layout needs a whole re-layout copy (a d2d pass per
+        use, ``compiler/runtime.py``).  Reusing only same-shape buffers keeps
+        every kernel operand whole and in its own layout."""
+        from torch._inductor.codegen import wrapper
+
+        base = wrapper.buffer_reuse_key
+
+        def key(node):
+            k = base(node)
+            dev = node.get_device()
+            if dev is None or dev.type != "spyre":
+                return k
+            sizes = tuple(V.graph.sizevars.simplify(s) for s in node.get_size())
+            strides = tuple(V.graph.sizevars.simplify(s) for s in node.get_stride())
+            return (*k, str(sizes), str(strides))
+
+        wrapper.buffer_reuse_key = key
+        try:
+            super().memory_plan_reuse()
+        finally:
+            wrapper.buffer_reuse_key = base
+
 
 class SpyreDeviceOpOverrides(DeviceOpOverrides):
     def import_get_raw_stream_as(self, name: str) -> str:

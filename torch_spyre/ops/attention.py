@@ -32,7 +32,13 @@ from torch_spyre.runtime import cards, dispatch_stats
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@torch.library.custom_op("spyre::attention", mutates_args=())
+@torch.library.custom_op(
+    "spyre::attention",
+    mutates_args=(),
+    # contiguous operands: the kernel reads whole default-layout tensors, so
+    # Inductor stores Q/K/V so (a strided producer would need two re-lays)
+    tags=(torch.Tag.needs_contiguous_strides,),
+)
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,6 +58,35 @@ def attention(
 @attention.register_fake
 def _(q, k, v, mask, scale, is_causal):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op(
+    "spyre::attention_bshd",
+    mutates_args=(),
+    tags=(torch.Tag.needs_contiguous_strides,),
+)
+def attention_bshd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    """``attention(...).transpose(1, 2).contiguous()``: [B, Sq, Hq, D], the
+    token-major layout an output projection reads, stored so by the flash
+    program itself (the compiler pass routes ``clone(permute(attention))``
+    here)."""
+    if q.device.type == "spyre":
+        out = _device_attention(q, k, v, mask, scale, is_causal, heads_last=True)
+        if out is not None:
+            return out
+    return _math(q, k, v, mask, scale, is_causal).transpose(1, 2).contiguous()
+
+
+@attention_bshd.register_fake
+def _(q, k, v, mask, scale, is_causal):
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]))
 
 
 def _math(q, k, v, mask, scale, is_causal, dropout_p=0.0, enable_gqa=None):
@@ -98,7 +133,7 @@ def _mask_operand(mask: torch.Tensor, b: int, hq: int, sq: int, skv: int):
     return operands.whole(m)
 
 
-def _device_attention(q, k, v, mask, scale, is_causal):
+def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False):
     from torch_spyre.sim import kernels
 
     b, hq, sq, d = q.shape
@@ -110,12 +145,15 @@ def _device_attention(q, k, v, mask, scale, is_causal):
             return None
     dev = q.device
     minfo = (tuple(m.shape), m.dtype) if m is not None else None
-    key = ("attention", b, hq, hk, sq, skv, d, q.dtype, bool(is_causal), float(scale), minfo)
+    key = (
+        "attention", b, hq, hk, sq, skv, d, q.dtype, bool(is_causal), float(scale), minfo,
+        heads_last,
+    )  # fmt: skip
 
     def build() -> launch.Kernel:
         p = kernels.best_flash_attention(
             b, hq, hk, sq, skv, d, q.dtype, causal=bool(is_causal), scale=float(scale),
-            mask=minfo, config=cards.config(dev.index or 0),
+            mask=minfo, heads_last=heads_last, config=cards.config(dev.index or 0),
         )  # fmt: skip
         return launch.Kernel(p)
 
@@ -125,7 +163,8 @@ def _device_attention(q, k, v, mask, scale, is_causal):
         return None
     if kern.program is None:
         return None
-    out = torch.empty((b, hq, sq, d), dtype=q.dtype, device=dev)
+    oshape = (b, sq, hq, d) if heads_last else (b, hq, sq, d)
+    out = torch.empty(oshape, dtype=q.dtype, device=dev)
     bufs = {
         "q": operands.device_memory(operands.whole(q)),
         "k": operands.device_memory(operands.whole(k)),

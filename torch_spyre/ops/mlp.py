@@ -6,6 +6,10 @@ F.linear(x, wu), wd)`` (nn.Linear weights, no biases) runs
 ``sim.kernels.best_swiglu_mlp`` on the card.  The spyre post-grad pass
 (``compiler/passes.py``) routes that pattern of a compiled graph here; the
 eager op is callable directly.
+
+``spyre::swiglu_mlp_add(x, wg, wu, wd, res, scale)`` = ``res + scale *
+swiglu_mlp(x, wg, wu, wd)``: a decoder layer's residual add as the epilogue
+of the same program (the pass routes ``res + mlp`` and ``res + mlp * c``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,30 @@ def _(x, wg, wu, wd):
     return x.new_empty((*x.shape[:-1], wd.shape[0]))
 
 
-def _device_swiglu(x, wg, wu, wd):
+@torch.library.custom_op("spyre::swiglu_mlp_add", mutates_args=())
+def swiglu_mlp_add(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    res: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """res + scale * swiglu_mlp(x, wg, wu, wd); res shaped like the output."""
+    if x.device.type == "spyre" and res.shape == (*x.shape[:-1], wd.shape[0]):
+        if res.dtype == x.dtype:
+            out = _device_swiglu(x, wg, wu, wd, res, float(scale))
+            if out is not None:
+                return out
+    return res + swiglu_mlp(x, wg, wu, wd) * scale
+
+
+@swiglu_mlp_add.register_fake
+def _(x, wg, wu, wd, res, scale):
+    return x.new_empty((*x.shape[:-1], wd.shape[0]))
+
+
+def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     from torch_spyre.sim import kernels
 
     if x.dtype not in _FLOATS or not (x.dtype == wg.dtype == wu.dtype == wd.dtype):
@@ -53,11 +80,13 @@ def _device_swiglu(x, wg, wu, wd):
         b, m, batched = 1, max(1, x.numel() // k), False
         xx = operands.whole(x.reshape(m, k))
     dev = x.device
-    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched)
+    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched, scale)
 
     def build() -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
-        p = kernels.best_swiglu_mlp(b, m, k, n, e, x.dtype, batched=batched, config=cfg)
+        p = kernels.best_swiglu_mlp(
+            b, m, k, n, e, x.dtype, batched=batched, residual=scale, config=cfg
+        )
         return launch.Kernel(p)
 
     try:
@@ -74,6 +103,9 @@ def _device_swiglu(x, wg, wu, wd):
         "wd": operands.device_memory(operands.whole(wd)),
         "out": operands.device_memory(out),
     }
+    if res is not None:
+        rr = res if batched else res.reshape(m, e)
+        bufs["res"] = operands.device_memory(operands.whole(rr))
     kern.launch_memory(dev.index or 0, bufs)
-    dispatch_stats.record("kernel", "swiglu_mlp")
+    dispatch_stats.record("kernel", "swiglu_mlp" if res is None else "swiglu_mlp_add")
     return out

@@ -587,6 +587,7 @@ def flash_attention(
     tiles: tuple[int, int] | None = None,
     double_buffer: bool = True,
     out_buffer: bool = True,
+    heads_last: bool = False,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -612,6 +613,10 @@ def flash_attention(
     ``split``: cores over (b, hk, g, sq); ``tiles``: (tq, tk);
     ``out_buffer``: normalise into a separate (double-buffered) output tile,
     or in place in the fp32 accumulator (less LX: larger query tiles).
+    ``heads_last``: ``out`` is [b, sq, hk, g, d] (the bytes of [b, sq, hq,
+    d], what ``out.transpose(1, 2).contiguous()`` would give): the store
+    writes the rows of each head into the token-major layout the output
+    projection reads, so no separate permute pass runs.
     """
     cfg = config or HardwareConfig()
     if hq % hk:
@@ -731,15 +736,17 @@ def flash_attention(
         Vector("add_scalar", "l", ("l",), (1e-30,), l3),
         Vector("reciprocal", "l", ("l",), (), l3),
         Vector("mul", y, ("o", "l"), (), l3),
-        Store("out", y, qi, l3),
+        Store("out", y, ("b", "q", "h", "g", "d") if heads_last else qi, l3),
     ]
-    operands.append(Operand("out", SpyreTensorLayout.default((b, hk, g, sq, d), dtype), "output"))
+    oshape = (b, sq, hk, g, d) if heads_last else (b, hk, g, sq, d)
+    operands.append(Operand("out", SpyreTensorLayout.default(oshape, dtype), "output"))
     return Program(
         name=name
         or f"flash_attn_{b}x{hq}x{sq}x{skv}x{d}"
         + ("_causal" if causal else "")
         + (f"_gqa{g}" if g > 1 else "")
-        + ("_mask" if mask is not None else ""),
+        + ("_mask" if mask is not None else "")
+        + ("_bshd" if heads_last else ""),
         dims=dims,
         operands=tuple(operands),
         buffers=tuple(buffers),
@@ -760,6 +767,7 @@ def best_flash_attention(
     causal: bool = False,
     scale: float | None = None,
     mask: tuple[tuple[int, int, int, int], torch.dtype] | None = None,
+    heads_last: bool = False,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -786,7 +794,7 @@ def best_flash_attention(
                 p = flash_attention(
                         b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
                         split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
-                        config=cfg, name=name,
+                        heads_last=heads_last, config=cfg, name=name,
                     )  # fmt: skip
                 try:
                     p.validate(cfg)
@@ -818,6 +826,7 @@ def swiglu_mlp(
     tiles: tuple[int, int, int] | None = None,
     double_buffer: bool = True,
     batched: bool = True,
+    residual: float | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -837,6 +846,11 @@ def swiglu_mlp(
     Operands (nn.Linear weights): ``x`` [b, m, k] (``batched=False``:
     [m, k]), ``wg``, ``wu`` [n, k], ``wd`` [e, n], ``out`` [b, m, e or n].
     ``split``: cores over (b, m, n); ``tiles``: (tm, tn, tk).
+
+    ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
+    residual add of a decoder layer as the epilogue of the down projection
+    (operand ``res``, shaped like ``out``, loaded per row block next to the
+    output accumulator; one rounding on the store).
     """
     cfg = config or HardwareConfig()
     pb, pm, pn = split if split is not None else (1, min(m, cfg.cores), 1)
@@ -904,6 +918,24 @@ def swiglu_mlp(
         steps.append(Store("out", "y", (*rows, "e"), l2))
     else:
         steps.append(Store("out", "h", (*rows, "n"), l3))
+    if residual is not None:
+        if not down:
+            raise ProgramError("swiglu_mlp: a residual needs the down projection")
+        ecol = "k" if e == k else "e"
+        # E == K: the activation tile is dead once the hidden blocks are
+        # done, and the residual tile has its dims: load it into that LX
+        rt = "xt" if ecol == "k" and batched else "rt"
+        store = steps.pop()
+        steps += [
+            # the cores splitting the hidden dim all add the same rows: read
+            # once per group and shared over the ring, like the activation
+            Load(rt, "res", (*rows, ecol), l2, multicast=pn > 1),
+            Vector("mul_scalar", "y", ("y",), (float(residual),), l2),
+            Vector("add", "y", ("y", rt), (), l2),
+            store,
+        ]
+        if rt == "rt":
+            buffers.append(Buffer("rt", (*rows, ecol), dtype))
     xs = (b, m, k) if batched else (m, k)
     outs = (b, m, e if down else n) if batched else (m, e if down else n)
     if not batched and b != 1:
@@ -915,6 +947,8 @@ def swiglu_mlp(
     ]
     if down:
         operands.append(Operand("wd", SpyreTensorLayout.default((e, n), dtype), "input"))
+    if residual is not None:
+        operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
     operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
     if not batched:
         # an unbatched program has no b dim in its buffers: drop it
@@ -927,7 +961,10 @@ def swiglu_mlp(
     else:
         order = l4
     return Program(
-        name=name or f"swiglu_mlp_{b * m}x{k}x{n}" + (f"x{e}" if down else ""),
+        name=name
+        or f"swiglu_mlp_{b * m}x{k}x{n}"
+        + (f"x{e}" if down else "")
+        + ("_res" if residual is not None else ""),
         dims=tuple(dims),
         operands=tuple(operands),
         buffers=tuple(buffers),
@@ -945,6 +982,7 @@ def best_swiglu_mlp(
     dtype: torch.dtype = torch.float16,
     *,
     batched: bool = True,
+    residual: float | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -969,7 +1007,7 @@ def best_swiglu_mlp(
             tn, tk = min(tn, en), min(tk, k)
             p = swiglu_mlp(
                 b, m, k, n, e, dtype, split=(pb, pm, pn), tiles=(tm, tn, tk),
-                batched=batched, config=cfg, name=name,
+                batched=batched, residual=residual, config=cfg, name=name,
             )  # fmt: skip
             try:
                 p.validate(cfg)

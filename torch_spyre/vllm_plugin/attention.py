@@ -24,7 +24,10 @@ by every layer:
 Each layer then runs, per group: gather pages (one index_select for keys, one for
 values), gather queries, one batched SDPA with the mask (GQA via
 ``enable_gqa``); then one index_select back to token order — all kernels on the
-card, no host round trip.
+card, no host round trip. With the compiled forward (compile.py) this runs inside
+vLLM's opaque attention custom ops, outside the kernel programs; rows of the
+bucket's padding (past ``num_actual_tokens``) are never written to the cache and
+their output is zeroed.
 """
 
 from __future__ import annotations
@@ -283,7 +286,7 @@ class SpyreAttentionImpl(AttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported on spyre")
         if attn_metadata is None:  # profiling run: no cache yet
-            return output
+            return output.zero_()
         m = attn_metadata
         n = m.num_actual_tokens
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -300,6 +303,9 @@ class SpyreAttentionImpl(AttentionImpl):
             outs.append(o.transpose(1, 2).reshape(r * q_max, h, d))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         output[:n].copy_(o.index_select(0, m.out_index).to(output.dtype))
+        if output.shape[0] > n:
+            # rows of a compiled bucket's padding: defined values (never read back)
+            output[n:].zero_()
         return output
 
 

@@ -12,9 +12,10 @@ every process that builds a model instantiates these classes in place of vLLM's:
 | VocabParallelEmbedding, ParallelLMHead | PluggableLayer | embedding gather; the LM head matmul |
 | LogitsProcessor | PluggableLayer | the head, then the one device->host copy of the logits |
 
-All run as eager spyre kernels (``torch_spyre/ops``): the compiled path
-(``torch.compile`` to the spyre Inductor backend) is not validated for whole
-models yet (docs/models.md), so the plugin does not use it.
+By default the model runner compiles the whole model forward (these layers
+included) with the spyre torch.compile backend, one graph per token bucket
+(compile.py); with ``TORCH_SPYRE_VLLM_COMPILE=0`` they run as eager spyre kernels
+(``torch_spyre/ops``). Either way the code below is the same.
 """
 
 from __future__ import annotations
@@ -79,23 +80,43 @@ class SpyreSiluAndMul(SiluAndMul):
 
 
 class SpyreRotaryEmbedding(RotaryEmbedding):
+    def spyre_prepare(self) -> None:
+        """Register [max_pos, head_size] cos and sin tables (each half repeated:
+        neox) as buffers, so that they move to the card with the weights and a
+        compiled forward reads them as module buffers. Called by the runner."""
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        self.register_buffer("spyre_cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("spyre_sin", torch.cat([sin, sin], dim=-1), persistent=False)
+
+    def spyre_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not hasattr(self, "spyre_cos"):
+            self.spyre_prepare()
+        cos, sin = self.spyre_cos, self.spyre_sin
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
     def forward_oot(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.is_neox_style or self.rotary_dim != self.head_size:
             # GPT-J interleaving / partial rotary: vLLM's reference formula.
             return self.forward_native(positions, query, key)
-        cache = self._match_cos_sin_cache_dtype(query)
-        # The table (computed once on the host at load, moved with the weights)
-        # gathered by position: two DMA gathers instead of sin/cos on the card.
-        cos, sin = cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
-        cos = torch.cat([cos, cos], dim=-1)[:, None, :]
-        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+        cos_table, sin_table = self.spyre_tables(query.dtype)
+        # The tables (computed once on the host at load, moved with the weights)
+        # gathered by position: two embedding lookups (DMA gathers, also inside a
+        # compiled graph) instead of sin/cos on the card.
+        pos = positions.flatten()
+        cos = F.embedding(pos, cos_table)[:, None, :]
+        sin = F.embedding(pos, sin_table)[:, None, :]
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
             x = x.view(x.shape[0], -1, self.head_size)
-            x1, x2 = x.chunk(2, dim=-1)
+            # slices, not chunk: the compiler turns a cat of (negated) slices
+            # (rotate_half) into a signed-permutation matmul (compiler/passes.py)
+            half = self.head_size // 2
+            x1, x2 = x[..., :half], x[..., half:]
             return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).reshape(shape)
 
         return rotate(query), None if key is None else rotate(key)
@@ -120,7 +141,11 @@ class SpyreEmbeddingMethod(UnquantizedEmbeddingMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(_on_card(x, "the LM head's input"), layer.weight, bias)
+        x = _on_card(x, "the LM head's input")
+        head = layer.__dict__.get("spyre_compiled_head")  # set by the model runner
+        if head is not None:
+            return head(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_.to(layer.weight.device), layer.weight)

@@ -59,6 +59,7 @@ class StepStats:
     wall_s: float = 0.0
     last_modelled_s: float = 0.0
     history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, reqs, s)
+    wall_history: list[float] = field(default_factory=list)  # wall seconds, same steps
     log_every: int = field(
         default_factory=lambda: int(os.environ.get("TORCH_SPYRE_VLLM_LOG_STEPS", "1"))
     )
@@ -71,6 +72,7 @@ class StepStats:
         self.last_modelled_s = modelled_s
         if len(self.history) < 10000:
             self.history.append((tokens, reqs, modelled_s))
+            self.wall_history.append(wall_s)
         prom = _metrics()
         if prom is not None:
             prom["step"].observe(modelled_s)  # type: ignore[attr-defined]

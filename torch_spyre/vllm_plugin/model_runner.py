@@ -9,6 +9,8 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
   the step's token ids and positions to the card.
 * ``initialize_kv_cache_tensors``: one paged KV tensor per attention layer in
   device memory, in the layout of attention.py.
+* ``_model_forward``: the forward compiled per token bucket (compile.py), unless
+  ``TORCH_SPYRE_VLLM_COMPILE=0``;
 * every step's modelled device time (``torch.spyre.modelled_time_s``) is logged
   and exported as Prometheus metrics (metrics.py).
 """
@@ -25,7 +27,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
+from torch_spyre.vllm_plugin import compile as compile_mod
 from torch_spyre.vllm_plugin import metrics
+from torch_spyre.vllm_plugin.compile import CompiledForward, CompiledHead
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
@@ -53,15 +57,53 @@ class SpyreModelRunner(CPUModelRunner):
     # -- model ------------------------------------------------------------------
     def load_model(self, load_dummy_weights: bool = False) -> None:
         super().load_model(load_dummy_weights)
+        from torch_spyre.vllm_plugin.layers import SpyreEmbeddingMethod, SpyreRotaryEmbedding
+
+        for m in self.model.modules():
+            if isinstance(m, SpyreRotaryEmbedding):
+                m.spyre_prepare()  # cos/sin tables as buffers, moved below
         before = torch.spyre.memory_allocated()
         t0 = time.perf_counter()
         self.model.to(SPYRE)
         self._check_on_card(self.model)
         self.model.register_forward_pre_hook(_inputs_to_card, with_kwargs=True)
+        self.compiled: CompiledForward | None = None
+        self.compiled_head: CompiledHead | None = None
+        if compile_mod.enabled():
+            compile_mod.register_spyre_attention_ops()
+            self.compiled = CompiledForward(
+                self.model, self.scheduler_config.max_num_batched_tokens
+            )
+            self.compiled_head = CompiledHead(self.scheduler_config.max_num_seqs)
+            for m in self.model.modules():
+                if isinstance(getattr(m, "quant_method", None), SpyreEmbeddingMethod):
+                    # the LM head's matmul (tied or not); .embedding() stays in the graph
+                    m.__dict__["spyre_compiled_head"] = self.compiled_head
+            logger.info(
+                "spyre: model forward compiled by the spyre torch.compile backend, "
+                "one graph per token bucket %s (attention: opaque paged-KV op)",
+                self.compiled.sizes,
+            )
         logger.info(
             "spyre: model moved to the card: %.1f MiB of weights in device memory (%.1f s)",
             (torch.spyre.memory_allocated() - before) / 2**20,
             time.perf_counter() - t0,
+        )
+
+    def _model_forward(
+        self,
+        input_ids=None,
+        positions=None,
+        intermediate_tensors=None,
+        inputs_embeds=None,
+        **model_kwargs,
+    ):
+        if self.compiled is None:
+            return super()._model_forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
+            )
+        return self.compiled(
+            input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
         )
 
     @staticmethod

@@ -89,6 +89,14 @@ class SpyrePlatform(Platform):
         return register_backend()
 
     @classmethod
+    def opaque_attention_op(cls) -> bool:
+        # Compiled forward: attention is one opaque custom op in the graph
+        # (vllm::unified_attention_with_output), run by attention.py.
+        from torch_spyre.vllm_plugin import compile as compile_mod
+
+        return compile_mod.enabled()
+
+    @classmethod
     def get_device_communicator_cls(cls) -> str:
         return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
 
@@ -127,9 +135,10 @@ class SpyrePlatform(Platform):
         if env_kv and cache.kv_cache_memory_bytes is None:
             cache.kv_cache_memory_bytes = int(env_kv)
 
-        # Eager layers on the card: no vLLM/Dynamo compilation and no CUDA graphs
-        # (the spyre Inductor backend is reached by plain torch.compile, which the
-        # compiler team has not validated for whole models yet: docs/models.md).
+        # No vLLM compilation (its piecewise backend, CUDA graphs): the model runner
+        # compiles the forward itself with plain torch.compile, which reaches the
+        # spyre Inductor backend, one graph per token bucket (compile.py), or runs
+        # it eagerly with TORCH_SPYRE_VLLM_COMPILE=0.
         comp = vllm_config.compilation_config
         comp.mode = CompilationMode.NONE
         comp.cudagraph_mode = CUDAGraphMode.NONE

@@ -67,7 +67,7 @@ class SpyreWorker(CPUWorker):
         return nullcontext()  # no CuMem pools: the spyre allocator owns device memory
 
     def _should_warm_up_model(self) -> bool:
-        return False  # eager layers: nothing to compile or warm
+        return False  # buckets compile on first use (compile.py), not at start-up
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache in spyre device memory."""

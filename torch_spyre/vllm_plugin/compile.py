@@ -1,0 +1,236 @@
+"""The model forward through the spyre torch.compile backend, one graph per token bucket.
+
+vLLM compiles its models per batch shape (cudagraph capture sizes); the spyre
+backend compiles statically (``dynamic=False``, docs/compiler.md). The plugin does
+the same: the number of scheduled tokens of a step is padded up to a **bucket**
+(default 16, 32, 64, ... doubling up to ``max_num_batched_tokens``, which is always
+the last bucket), and the model forward for that bucket is compiled once with plain
+``torch.compile`` (spyre tensors reach the spyre Inductor backend). So at most one
+graph per bucket is ever compiled, whatever the decode/prefill mix.
+
+* **Attention stays outside the kernel programs**: the platform reports
+  ``opaque_attention_op()``, so vLLM's ``Attention`` layer calls its custom ops
+  ``vllm::unified_kv_cache_update`` and ``vllm::unified_attention_with_output``
+  (registered with fake implementations by vLLM). In the graph they are opaque
+  nodes; Inductor emits them as fallback kernels that call the paged attention of
+  attention.py (eager spyre kernels over the paged KV cache, per step metadata
+  from vLLM's forward context). Everything else (embedding, norms, rotary, QKV /
+  output / MLP projections, SiluAndMul, residuals, the final norm) is planned as
+  spyre kernel programs.
+* **The LM head** runs after the forward on the sampled rows only (vLLM's
+  ``compute_logits``): compiled on its own, per bucket of rows (``CompiledHead``).
+* **Padded tokens never reach real ones**: padded rows carry token id 0 at
+  position 0; the attention backend writes only the step's real tokens into the
+  KV cache (``slots`` has one entry per real token), attends with real queries
+  only, and zeroes the padded rows of its output; every other layer is row-wise.
+  The runner returns the real rows only.
+
+``TORCH_SPYRE_VLLM_COMPILE=0`` runs the same layers eagerly, op by op.
+``TORCH_SPYRE_VLLM_BUCKETS=16,64,256`` sets the buckets (the largest scheduled
+token count is always added).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
+
+SPYRE = torch.device("spyre")
+FIRST_BUCKET = 16
+
+
+def enabled() -> bool:
+    return os.environ.get("TORCH_SPYRE_VLLM_COMPILE", "1") not in ("0", "false", "False", "")
+
+
+def buckets(max_tokens: int) -> list[int]:
+    """Token-count buckets: the environment's list or 16, 32, ... below the max; the max."""
+    env = os.environ.get("TORCH_SPYRE_VLLM_BUCKETS")
+    if env:
+        sizes = sorted({int(s) for s in env.replace(" ", "").split(",") if s})
+        if not sizes or sizes[0] <= 0:
+            raise ValueError(f"TORCH_SPYRE_VLLM_BUCKETS: positive token counts, got {env!r}")
+    else:
+        sizes = _doubling(max_tokens)
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+def bucket_for(n: int, sizes: list[int]) -> int:
+    for b in sizes:
+        if n <= b:
+            return b
+    raise ValueError(f"spyre: {n} scheduled tokens exceed the largest bucket {sizes[-1]}")
+
+
+class CompiledForward:
+    """The model's forward compiled per bucket; counts graphs, compile time, launches."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int) -> None:
+        self.model = model
+        self.sizes = buckets(max_tokens)
+        self.graphs = 0  # FX graphs handed to Inductor (spyre backend)
+        self.calls: Counter[int] = Counter()  # steps per bucket
+        self.compile_s: dict[int, float] = {}  # first call per bucket (compile + run)
+        self._bucket: int | None = None
+        # one graph per bucket; never fall back to eager silently
+        limit = len(self.sizes) + 2
+        dynamo_config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
+                setattr(dynamo_config, name, limit)
+        self._fn: Callable = torch.compile(
+            model.forward, backend=self._backend, dynamic=False, fullgraph=True
+        )
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        # Inductor (which hands spyre tensors to the spyre scheduling/wrapper):
+        # exactly what torch.compile's default backend does, plus a count.
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if inputs_embeds is not None or intermediate_tensors is not None or kwargs:
+            raise NotImplementedError(
+                "spyre compiled forward: token ids and positions only "
+                "(no inputs_embeds, pipeline stages or extra model inputs)"
+            )
+        n = input_ids.shape[0]
+        b = bucket_for(n, self.sizes)
+        ids = _pad(input_ids, b)
+        pos = _pad(positions, b)
+        first = b not in self.compile_s
+        t0 = time.perf_counter()
+        try:
+            out = self._fn(input_ids=ids, positions=pos)
+        except Exception as e:
+            if not first:
+                raise
+            raise RuntimeError(
+                f"spyre: compiling the model forward for the {b}-token bucket failed "
+                f"(TORCH_SPYRE_VLLM_COMPILE=0 runs the layers eagerly): {e}"
+            ) from e
+        if first:
+            self.compile_s[b] = time.perf_counter() - t0
+            logger.info(
+                "spyre: compiled the forward for the %d-token bucket in %.1f s "
+                "(%d graphs so far, buckets %s)",
+                b,
+                self.compile_s[b],
+                self.graphs,
+                self.sizes,
+            )
+        self.calls[b] += 1
+        return out[:n]
+
+    def summary(self) -> dict:
+        return {
+            "buckets": list(self.sizes),
+            "graphs": self.graphs,
+            "calls": dict(self.calls),
+            "compile_s": dict(self.compile_s),
+        }
+
+
+class CompiledHead:
+    """The LM head (``F.linear`` of the sampled rows) compiled per row bucket.
+
+    ``compute_logits`` runs after the forward on the rows that are sampled (one per
+    scheduled request), so its row count is bucketed on its own: 16, 32, ... up to
+    ``max_num_seqs``; the rows are zero-padded on the card and the real rows kept.
+    """
+
+    def __init__(self, max_rows: int) -> None:
+        self.sizes = _doubling(max_rows)
+        self.graphs = 0
+        self.calls: Counter[int] = Counter()
+        self.compile_s: dict[int, float] = {}
+        self._fn: Callable = torch.compile(
+            _linear, backend=self._backend, dynamic=False, fullgraph=True
+        )
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        b = bucket_for(n, self.sizes)
+        if n < b:
+            x = torch.cat([x, x.new_zeros((b - n, *x.shape[1:]))])
+        first = b not in self.compile_s
+        t0 = time.perf_counter()
+        out = self._fn(x, weight, bias)
+        if first:
+            self.compile_s[b] = time.perf_counter() - t0
+        self.calls[b] += 1
+        return out[:n]
+
+    def summary(self) -> dict:
+        return {
+            "buckets": list(self.sizes),
+            "graphs": self.graphs,
+            "calls": dict(self.calls),
+            "compile_s": dict(self.compile_s),
+        }
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _doubling(max_n: int) -> list[int]:
+    sizes, b = [], FIRST_BUCKET
+    while b < max_n:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_n]
+
+
+def _pad(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Token ids / positions to the card, zero-padded to b rows (one copy)."""
+    x = x.to("cpu") if x.device.type != "cpu" else x
+    n = x.shape[0]
+    if n < b:
+        x = torch.cat([x, x.new_zeros((b - n, *x.shape[1:]))])
+    return x.to(SPYRE)
+
+
+def register_spyre_attention_ops() -> None:
+    """vLLM registers its attention custom ops for the platform's dispatch key (CPU,
+    as device_type is "cpu"); the same Python implementations serve spyre tensors."""
+    global _LIB
+    if _LIB is not None:
+        return
+    from vllm.model_executor.layers.attention import attention as vllm_attention
+
+    lib = torch.library.Library("vllm", "IMPL")  # vLLM's own ops: one more kernel
+    lib.impl("unified_kv_cache_update", vllm_attention.unified_kv_cache_update, "PrivateUse1")
+    lib.impl(
+        "unified_attention_with_output",
+        vllm_attention.unified_attention_with_output,
+        "PrivateUse1",
+    )
+    _LIB = lib
+
+
+_LIB: torch.library.Library | None = None
