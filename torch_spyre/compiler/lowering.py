@@ -908,7 +908,9 @@ def _writes(s) -> str | None:
 def _live(steps):
     """The steps whose results are used (a store, or read by a later live
     step): an index computed only to address a load (``indirect_indexing``
-    of an iota) leaves dead vector steps behind."""
+    of an iota) leaves dead vector steps behind, and the multi-pass rewrites
+    (``_online_softmax``, ``_one_pass_variance``) leave the steps they
+    replaced."""
     needed: set[str] = set()
     out = []
     for s in reversed(steps):
@@ -1103,14 +1105,10 @@ def _readers(steps) -> dict[str, list[int]]:
     return out
 
 
-def _online_softmax(steps, buffers, reduced):
-    """Softmax's max and sum in one pass over the row: ``m = max(x)``,
-    ``s = sum(exp(x - m))`` become ``m = logsumexp(x)`` (an online max and
-    sum, rescaled per tile) and ``s = 1``, so ``exp(x - m) / s`` and
-    ``x - m - log(s)`` (log-softmax) keep their values while the row is read
-    twice instead of three times.  Only when every reader of m, s, x - m and
-    exp(x - m) is one of those expressions."""
-    steps, buffers = list(steps), dict(buffers)
+def _producers(steps, buffers, reduced):
+    """For matching patterns in a group's steps: (step index by the buffer it
+    writes, whether a buffer holds row values, the producer of a buffer if it
+    is a ``cls`` step with op ``op``)."""
     prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
 
     def row(b):
@@ -1119,6 +1117,19 @@ def _online_softmax(steps, buffers, reduced):
     def step(b, cls, op=None):
         st = steps[prod[b]] if b in prod else None
         return st if isinstance(st, cls) and (op is None or st.op == op) else None
+
+    return prod, row, step
+
+
+def _online_softmax(steps, buffers, reduced):
+    """Softmax's max and sum in one pass over the row: ``m = max(x)``,
+    ``s = sum(exp(x - m))`` become ``m = logsumexp(x)`` (an online max and
+    sum, rescaled per tile) and ``s = 1``, so ``exp(x - m) / s`` and
+    ``x - m - log(s)`` (log-softmax) keep their values while the row is read
+    twice instead of three times.  Only when every reader of m, s, x - m and
+    exp(x - m) is one of those expressions."""
+    steps, buffers = list(steps), dict(buffers)
+    prod, row, step = _producers(steps, buffers, reduced)
 
     for i, s in enumerate(list(steps)):
         if not (isinstance(s, Reduce) and s.op == "sum" and row(s.input) and not row(s.out)):
@@ -1164,7 +1175,7 @@ def _online_softmax(steps, buffers, reduced):
             Vector("add_scalar", tot, (one,), (1.0,)),
         ]
         steps = [x for st in steps for x in (st if isinstance(st, list) else [st])]
-        prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+        prod, row, step = _producers(steps, buffers, reduced)
     return steps, buffers
 
 
@@ -1173,14 +1184,7 @@ def _one_pass_variance(steps, buffers, reduced):
     ``sum(x^2) - sum(x) * mean`` (clamped at 0), summed in the same pass as
     ``sum(x)``: a layer norm reads its row twice (statistics, normalise)."""
     steps, buffers = list(steps), dict(buffers)
-    prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
-
-    def row(b):
-        return bool(set(buffers[b].dims) & reduced)
-
-    def step(b, cls, op=None):
-        st = steps[prod[b]] if b in prod else None
-        return st if isinstance(st, cls) and (op is None or st.op == op) else None
+    prod, row, step = _producers(steps, buffers, reduced)
 
     for i, s in enumerate(list(steps)):
         if not (isinstance(s, Reduce) and s.op == "sum" and row(s.input) and not row(s.out)):
@@ -1204,18 +1208,8 @@ def _one_pass_variance(steps, buffers, reduced):
             Vector("maximum_scalar", m2, (r,), (0.0,)),
         ]
         steps = [x for st in steps for x in (st if isinstance(st, list) else [st])]
-        prod = {_writes(s): i for i, s in enumerate(steps) if _writes(s)}
+        prod, row, step = _producers(steps, buffers, reduced)
     return steps, buffers
-
-
-def _dead_steps_removed(steps):
-    """Drop steps whose value nothing reads (stores always stay)."""
-    while True:
-        rd = _readers(steps)
-        keep = [s for s in steps if isinstance(s, Store) or rd.get(_writes(s))]
-        if len(keep) == len(steps):
-            return steps
-        steps = keep
 
 
 @functools.lru_cache(maxsize=256)
@@ -1237,7 +1231,7 @@ def _multipass(steps, buffer_items, reduced: frozenset):
         return None
     steps, buffers = _online_softmax(steps, buffers, reduced)
     steps, buffers = _one_pass_variance(steps, buffers, reduced)
-    steps = _dead_steps_removed(steps)
+    steps = _live(steps)
 
     def is_row(s) -> bool:
         touched = [*_reads(s), *([_writes(s)] if _writes(s) else [])]
