@@ -117,7 +117,7 @@ def test_compiled_kernel_sees_writes():
         f(dx, dw)
     dw.mul_(-1)
     w.mul_(-1)
-    want = torch.relu((x.float() @ w.float().T)).half() + 1
+    want = torch.relu(x.float() @ w.float().T).half() + 1
     torch.testing.assert_close(f(dx, dw).cpu(), want, rtol=3e-3, atol=3e-3)
 
 
