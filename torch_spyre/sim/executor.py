@@ -470,6 +470,20 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         program.operand(o).layout.dtype == out_dtype for o in operands
     )
     upcast = not direct and acc.is_floating_point
+    out_fn = od.out_fn if direct else None
+
+    if out_fn is not None:
+        # computed straight into device memory: the op's own out= form, in the
+        # output dtype as above (inputs of the output's dtype), so same numbers
+
+        def run_into(buffers: Buffers) -> None:
+            out = buffers[out_name]
+            try:
+                out_fn(*[buffers[o] for o in operands], *scalars, out=out)
+            finally:
+                written(out)
+
+        return run_into
 
     def run(buffers: Buffers) -> None:
         args = [buffers[o] for o in operands]
