@@ -71,14 +71,16 @@ def test_compiled_generation_matches_cpu_and_compiles_once_per_bucket() -> None:
     torch._dynamo.reset()
     counters.clear()
     torch_spyre.reset_fallback_counts()
-    got = generate(dev, ids, 12, attention_mask=mask)
+    # 16 decode steps: no step recompiles or falls back to the host
+    got = generate(dev, ids, 17, attention_mask=mask)
+    assert len(got.decode_wall_s) == 16
     assert torch_spyre.fallback_counts() == {}
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    want = generate(ref, ids, 12, attention_mask=mask)
+    want = generate(ref, ids, 17, attention_mask=mask)
     assert torch.equal(got.tokens, want.tokens)
     # HF's own generate on the CPU (dynamic cache, left padding) agrees
     with torch.no_grad():
-        hf = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        hf = ref.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False)
     assert torch.equal(hf[:, ids.shape[1] :], want.tokens)
     # and the validation library runs the compiled model through the same loop
     rep = validation.validate_models(
