@@ -13,9 +13,12 @@ def register() -> None:
     from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
         adapters,
         attention,
+        conv,
+        counting,
         dispatch,
         matmul,
         mlp,
+        moe,
         normalization,
         reductions,
     )

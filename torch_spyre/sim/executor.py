@@ -20,6 +20,7 @@ through ``hostviews`` (host-layout views kept across launches).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -267,6 +268,26 @@ def _build_store(program: Program, s: Store, dims: dict) -> Callable:
     align = _Align(src, tuple(d for d in s.index if d is not None))
     operand, buffer, host_size = s.operand, s.buffer, layout.host_size
     written = VIEWS.written
+    if s.offsets:
+        # a sub-block: the device offsets of its elements, from the layout's
+        # per-dim offset tables (only those elements are written)
+        block = [1 if d is None else program.dim(d).size for d in s.index]
+        offs = torch.zeros((), dtype=torch.int64)
+        for k, (off, n) in enumerate(zip(s.offsets, block)):
+            tab = layout.dim_offsets[k][off : off + n]
+            offs = offs + tab.reshape([1] * k + [n] + [1] * (len(block) - k - 1))
+        flat_offs = offs.reshape(-1)
+        dtype = layout.dtype
+
+        def store_block(buffers: Buffers, env: dict) -> None:
+            mem = buffers[operand]
+            try:
+                vals = align(env[buffer]).reshape(-1).to(dtype)
+                mem.reshape(-1)[flat_offs] = vals
+            finally:
+                written(mem)
+
+        return store_block
 
     def store(buffers: Buffers, env: dict) -> None:
         mem = buffers[operand]
@@ -309,7 +330,18 @@ def _split_axis(
     """Split axis ``ax`` into (cores, per-core chunk); the core axis goes first."""
     if chunk * cores != size:
         padding = [0, 0] * (t.dim() - ax - 1) + [0, chunk * cores - size]
-        t = torch.nn.functional.pad(t, padding, value=pad)
+        if not t.is_floating_point() and t.dtype != torch.bool and math.isinf(pad):
+            # an integer max/min pads with its type's extreme, not +-inf (F.pad
+            # takes its value through a double: int64's extremes do not survive)
+            info = torch.iinfo(t.dtype)
+            fill = torch.full(
+                (*t.shape[:ax], chunk * cores - size, *t.shape[ax + 1 :]),
+                info.max if pad > 0 else info.min,
+                dtype=t.dtype,
+            )
+            t = torch.cat([t, fill], dim=ax)
+        else:
+            t = torch.nn.functional.pad(t, padding, value=pad)
     return t.unflatten(ax, (cores, chunk)).movedim(ax, 0)
 
 
@@ -445,8 +477,9 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
     bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
     if not (
         len(layouts) == 1
-        and all(s.index == names for s in loads)
+        and all(s.index == names and not s.offsets for s in loads)
         and store.index == names
+        and not store.offsets
         and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
         and tuple(vec.inputs) == tuple(s.buffer for s in loads)
         and vec.out == store.buffer

@@ -995,11 +995,21 @@ def best_swiglu_mlp(
     se = stick_elems(dtype)
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
-    for pb, pm, pn in itertools.product(pows if batched else [1], pows, pows):
-        if pb * pm * pn > cfg.cores or pb > b or pm > m or pn > ceil_div(n, se):
-            continue
-        if pb * pm * pn < cfg.cores // 2 and (pb < b or pm < m or pn < ceil_div(n, se)):
-            continue  # leaves half the card idle although there is work to split
+    splits = [
+        (pb, pm, pn)
+        for pb, pm, pn in itertools.product(pows if batched else [1], pows, pows)
+        if pb * pm * pn <= cfg.cores and pb <= b and pm <= m and pn <= ceil_div(n, se)
+    ]
+    busy = [
+        s
+        for s in splits
+        # not one that leaves half the card idle although there is work to split
+        if not (
+            s[0] * s[1] * s[2] < cfg.cores // 2 and (s[0] < b or s[1] < m or s[2] < ceil_div(n, se))
+        )
+    ]
+    # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
+    for pb, pm, pn in busy or splits:
         em = ceil_div(m, pm)
         en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
         tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})

@@ -140,6 +140,11 @@ class Store:
     buffer: str
     index: tuple[str | None, ...]
     loops: tuple[str, ...] = ()
+    #: first element written along each host dim (() = all 0): the store
+    #: writes a sub-block of the operand (as ``Load.offsets``; the stick
+    #: dim's offset is whole sticks), e.g. one expert's rows of a grouped
+    #: output
+    offsets: tuple[int, ...] = ()
     kind: Literal["store"] = "store"
 
 
@@ -742,7 +747,8 @@ def _step_text(s: Step) -> str:
         at = f" from {list(s.offsets)}" if any(s.offsets) else ""
         return f"load   {s.buffer} <- {s.operand}[{_idx(s.index)}]{at}{mc}"
     if isinstance(s, Store):
-        return f"store  {s.operand}[{_idx(s.index)}] <- {s.buffer}"
+        at = f" at {list(s.offsets)}" if any(s.offsets) else ""
+        return f"store  {s.operand}[{_idx(s.index)}]{at} <- {s.buffer}"
     if isinstance(s, Matmul):
         return f"matmul {s.out} += {s.a} @ {s.b}   (PE array)"
     if isinstance(s, Vector):
