@@ -21,6 +21,7 @@ def register() -> None:
         moe,
         normalization,
         reductions,
+        ssm,
     )
 
     everything = torch.library.Library("_", "IMPL")

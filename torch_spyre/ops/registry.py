@@ -23,17 +23,18 @@ class NoKernel(Exception):
     """Raised by a kernel for inputs it does not serve (the host fallback runs)."""
 
 
-def kernel(*names: str, path: str = "kernel"):
+def kernel(*names: str, path: str = "kernel", fallback: Callable | None = None):
     """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads.
 
     ``fn(*args, **kwargs)`` may return NotImplemented (or raise NoKernel) for
     inputs it does not serve; those then go through the host fallback,
-    counted as such.
+    counted as such.  ``fallback``: the op the host runs instead (an
+    ``*_overrideable`` op has no CPU kernel: its generic form runs).
     """
 
     def wrap(fn: Callable) -> Callable:
         for name in names:
-            op = _overload(name)
+            op = fallback or _overload(name)
 
             def impl(*args, _fn=fn, _name=name, _op=op, **kwargs):
                 try:

@@ -35,6 +35,7 @@ from torch_spyre.sim.program import (
     ProgramError,
     Reduce,
     RingAllReduce,
+    Scan,
     Store,
     Vector,
     step_reads,
@@ -419,6 +420,35 @@ def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
     return reduce
 
 
+def _build_scan(program: Program, s: Scan, dims: dict) -> Callable:
+    out_buf = program.buffer(s.out)
+    out_dims = out_buf.dims
+    ax = out_dims.index(s.dim)
+    aligns = tuple(_Align(dims[x], out_dims) for x in s.inputs)
+    inputs, out, op, out_dtype = s.inputs, s.out, s.op, out_buf.dtype
+    shape = tuple(program.dim(d).size for d in out_dims)
+    f32 = torch.float32
+    dims[out] = out_dims
+
+    def scan(buffers: Buffers, env: dict) -> None:
+        args = [a(env[x]).to(f32) for a, x in zip(aligns, inputs)]
+        if op == "cumsum":
+            env[out] = torch.cumsum(args[0].expand(shape), ax).to(out_dtype)
+            return
+        a, u = args[0].expand(shape), args[1].expand(shape)
+        prev = args[2].expand(shape).narrow(ax, 0, 1) if len(args) == 3 else None
+        res = torch.empty(shape, dtype=f32)
+        for i in range(shape[ax]):  # element i needs element i - 1
+            cur = u.narrow(ax, i, 1)
+            if prev is not None:
+                cur = a.narrow(ax, i, 1) * prev + cur
+            res.narrow(ax, i, 1).copy_(cur)
+            prev = cur
+        env[out] = res.to(out_dtype)
+
+    return scan
+
+
 def _build_allreduce(program: Program, s: RingAllReduce, dims: dict) -> Callable:
     rd = ops_mod.reduction(s.op)
     src = dims[s.buffer]
@@ -442,6 +472,7 @@ _STEP_BUILDERS: dict[type, Callable] = {
     Vector: _build_vector,
     Matmul: _build_matmul,
     Reduce: _build_reduce,
+    Scan: _build_scan,
     RingAllReduce: _build_allreduce,
 }
 

@@ -35,6 +35,7 @@ from torch_spyre.sim.program import (
     Program,
     Reduce,
     RingAllReduce,
+    Scan,
     Step,
     Store,
     Vector,
@@ -421,6 +422,20 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
             cfg.sfu_cycles(c) for c in ops_mod.reduction(s.op).extra_cost
         )
         return _Cost({"vector": (sticks * per_stick + tree) / cfg.corelets_per_core})
+    if isinstance(s, Scan):
+        # element i waits for element i - 1: the scanned dim is walked one
+        # element at a time, the vector lanes cover the other dims
+        out = p.buffer(s.out)
+        rest = tuple(d for d in out.dims if d != s.dim)
+        lanes = _lanes(cfg, out.dtype)
+        sticks = cv.count(s, out.dims) * cv.dim_sum(s, s.dim)
+        for d in rest[:-1]:
+            sticks *= cv.dim_sum(s, d)
+        if rest:
+            sticks *= cv.dim_sum(s, rest[-1], lambda n: -(-n // lanes))
+        # linrec: a multiply and an add per element
+        per = (2 if s.op == "linrec" else 1) * cfg.sfu_cycles("simple")
+        return _Cost({"vector": sticks * per / cfg.corelets_per_core})
     assert isinstance(s, RingAllReduce)
     buf = p.buffer(s.buffer)
     group = p.dim(s.dim).cores
@@ -443,6 +458,8 @@ def _vector_ops(p: Program, s: Step) -> float:
         return _elements(p, p.buffer(s.out).dims) * ops_mod.vector_op(s.op).flops
     if isinstance(s, Reduce):
         return _elements(p, p.buffer(s.input).dims)
+    if isinstance(s, Scan):
+        return _elements(p, p.buffer(s.out).dims) * (2 if s.op == "linrec" else 1)
     return 0.0
 
 
