@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.layout import SpyreTensorLayout, ceil_div
 from torch_spyre.sim.config import HardwareConfig
 from torch_spyre.sim.grouped import GroupedProgram
 from torch_spyre.sim.program import (
