@@ -25,6 +25,7 @@ import transformers
 from torch import nn
 
 from torch_spyre.models import offline
+from torch_spyre.models.attention import attention_variants
 from torch_spyre.models.moe import moe_experts
 from torch_spyre.models.patches import Patch, chunk_lm_head, sdpa_attention, tabulate_rotary
 from torch_spyre.models.ssm import mamba_kernels
@@ -61,13 +62,15 @@ class PrepareOptions:
 #: what the model *contains*, so a config class nobody registered gets them too
 PATCHES: tuple[Patch, ...] = (
     sdpa_attention,
+    attention_variants,
     tabulate_rotary,
     moe_experts,
     mamba_kernels,
     chunk_lm_head,
 )
 _NOTES = (
-    "rotary cos/sin tabulated on the host once (no trig on the card); attention through SDPA; "
+    "rotary cos/sin tabulated on the host once (no trig on the card); attention through SDPA "
+    "(soft-capped or sink attention through the 'spyre' attention function); "
     "mixture-of-experts layers as one grouped kernel program; Mamba-2 scans and gated norms as "
     "kernel programs; an lm_head too large for one "
     "matmul kernel split over the vocabulary (each only where the model has the module)"
