@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
+from torch_spyre.compiler import lanes, trig
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
@@ -83,6 +84,11 @@ def _register_ops() -> None:
         ("log1p", torch.log1p, "transcendental", 1),
         ("expm1", torch.expm1, "transcendental", 1),
         ("sign", torch.sign, "simple", 1),
+        # T5's fp16 overflow guard: isinf(x).any() picks the clamp bound
+        ("isinf", torch.isinf, "simple", 1),
+        # range reduction of sin/cos (compiler/trig.py)
+        ("round", torch.round, "simple", 1),
+        ("isnan", torch.isnan, "simple", 1),
         ("fill", lambda v: torch.tensor(v, dtype=torch.float32), "simple", 0),
         # the first input repeated along the dims of the second (which only gives shape)
         ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], "simple", 2),
@@ -122,6 +128,8 @@ _UNARY = {
     "expm1": "expm1",
     "sign": "sign",
     "logical_not": "logical_not",
+    "isinf": "isinf",
+    "isnan": "isnan",
     "square": "square",
     "silu": "silu",
 }
@@ -519,10 +527,35 @@ class ProgramBuilder:
         their k dim is not the epilogue's."""
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
-        factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
         se = stick_elems(dtype)
+        try:
+            factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
+        except Unsupported:
+            got = (
+                None
+                if name in self.produced
+                else lanes.stick_terms(index, size, stride, offset, self.ranges)
+            )
+            if got is None:
+                raise
+            rest, terms, first = got
+            return self._gather(name, rest, terms, first, size, stride, offset, dtype, se)
         if name not in self.produced and not factors[-1] and size[-1] > 1 and offs[-1] % se:
             return self._lane(name, factors, offs, size, dtype, se)
+        if name not in self.produced and factors[-1] and size[-1] > 1:
+            pieces = [self.ranges[v] for v in factors[-1]]
+            if lanes.needs_gather(size[-1], pieces, offs[-1], se):
+                terms, c = [], 1
+                for v in reversed(factors[-1]):
+                    terms.insert(0, (v, c))
+                    c *= self.ranges[v]
+                rest = sympy.expand(
+                    index
+                    - offset
+                    - sum(sympy.Symbol(v, integer=True, nonnegative=True) * k for v, k in terms)
+                    - offs[-1]
+                )
+                return self._gather(name, rest, terms, offs[-1], size, stride, offset, dtype, se)
         if name in self.produced:
             val, pf = self.produced[name]
             if any(offs):
@@ -575,6 +608,38 @@ class ProgramBuilder:
             return self._reduce("any", picked, [lane], torch.bool)
         return self._reduce("sum", picked, [lane], block.dtype)
 
+    def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:
+        """Stick-dim lanes ``first + sum c_v v`` (sub-stick pieces, strided
+        patterns; ``compiler/lanes.py``): the whole sticks covering them, then
+        a 0/1 table on the PE array.  ``rest`` indexes the other dims."""
+        pieces = [(self.ranges[v], c) for v, c in terms]
+        last = first + sum(c * (n - 1) for n, c in pieces)
+        lo, cover = lanes.covering(size[-1], last - first + 1, first, se)
+        n = math.prod(p for p, _ in pieces)
+        if cover * n > lanes.MAX_TABLE:
+            raise Unsupported(
+                f"elements {first}..{last} of the stick dim of {name} {list(size)} in pieces "
+                f"{pieces}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
+                f"(not whole sticks of {se})"
+            )
+        j = self.new_vars("j", [cover])[0]
+        idx = sympy.expand(rest + offset + lo + j)
+        factors, offs = _decompose(idx, size, stride, offset, self.ranges, f"load of {name}")
+        block = self._load_parts(name, factors, offs, size, dtype)
+        # a block this group loaded already carries its own lane variable
+        j = next((d for d in block.dims if self.uf.find(d) == self.uf.find(str(j))), str(j))
+        key = lanes.table_key(cover, first - lo, pieces, dtype)
+        use = self.operands.get(("eye", key))
+        vs = [v for v, _ in terms]
+        if use is None:
+            lay = SpyreTensorLayout.default((cover, *(p for p, _ in pieces)), dtype)
+            shape = (cover, first - lo, *(x for pc in pieces for x in pc))
+            use = OperandUse(f"ey{len(self.operands)}", key, "eye", lay, shape)
+            self.operands[("eye", key)] = use
+        buf = self._buf({str(j), *vs}, dtype, double=True)
+        self.steps.append(Load(buf, use.name, (str(j), *vs)))
+        return self.matmul(block, Val(buf, frozenset({str(j), *vs}), dtype), [str(j)])
+
     def store(self, name: str, index, value, mode=None) -> None:
         if mode is not None:
             raise Unsupported(f"store mode {mode!r} into {name}")
@@ -586,7 +651,10 @@ class ProgramBuilder:
         idx_dims = {self.uf.find(v) for f in factors for v in f}
         vdims = {self.uf.find(v) for v in value.dims}
         if not idx_dims >= vdims:
-            raise Unsupported(f"store into {name}: value has dims the output lacks")
+            raise Unsupported(
+                f"store into {name}: value has dims the output lacks "
+                f"({sorted(vdims - idx_dims)} not in {sorted(idx_dims)})"
+            )
         for v in sorted({v for f in factors for v in f}):
             if self.uf.find(v) not in vdims:  # a repeat / expand: broadcast in LX
                 value = self._vec("bcast", [value, self._iota(v)], (), value.dtype)
@@ -677,8 +745,13 @@ class ProgramBuilder:
         """An index read from a value: only an affine function of the loop
         variables (``mask[arange(b), arange(n)]``, as transformers indexes its
         padding mask) is an index; a gather has no DMA form in a program."""
-        if isinstance(x, Scal):
-            return sympy.Integer(int(x.value))
+        if isinstance(x, Scal):  # a constant index (Falcon's qkv[:, :, [-2]])
+            v = int(x.value)
+            if v < 0 and wrap_neg:
+                v += int(size)
+            if check and not 0 <= v < int(size):
+                raise Unsupported(f"index {int(x.value)} is out of bounds for a dim of size {size}")
+            return sympy.Integer(v)
         expr = self.affine.get(x.buf) if isinstance(x, Val) else None
         if expr is None:
             raise Unsupported(
@@ -719,11 +792,17 @@ class ProgramBuilder:
         dt = vals[1].dtype if vals[1].dtype.is_floating_point else torch.float32
         return self._vec("where", vals, (), dt)
 
+    def sin(self, x):
+        return trig.trig(self, x, cos=False)
+
+    def cos(self, x):
+        return trig.trig(self, x, cos=True)
+
     def _unary(self, op: str, x):
         if isinstance(x, Scal):
             t = getattr(torch, op)(torch.tensor(float(x.value)))
             return Scal(t.item(), x.dtype)
-        dt = torch.bool if op == "logical_not" else torch.float32
+        dt = torch.bool if op in ("logical_not", "isinf", "isnan") else torch.float32
         return self._vec(_UNARY[op], [x], (), dt)
 
     def _affine_of(self, x):
@@ -1538,7 +1617,8 @@ def _fit(
             name=name,
             dims=dims,
             operands=tuple(
-                Operand(u.name, u.layout, "input" if u.role == "iota" else u.role) for u in ops
+                Operand(u.name, u.layout, "input" if u.role in lanes.CONST_ROLES else u.role)
+                for u in ops
             ),
             buffers=tuple(buffers.values()),
             steps=tuple(st),

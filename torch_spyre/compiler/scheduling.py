@@ -29,7 +29,7 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from torch_spyre.compiler import layouts, lowering, options
+from torch_spyre.compiler import lanes, layouts, lowering, options
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import cards
 
@@ -416,7 +416,9 @@ class SpyreScheduling(BaseScheduling):
                 if u.layout != SpyreTensorLayout.default(u.shape, u.layout.dtype):
                     stored[u.buffer] = u.layout  # its readers read it so
         kname = _define(wrapper, plan)
-        args = ", ".join(_storage_name(u.buffer) for u in plan.operands if u.role != "iota")
+        args = ", ".join(
+            _storage_name(u.buffer) for u in plan.operands if u.role not in lanes.CONST_ROLES
+        )
         wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
         if plan.after:
             wrapper.writeline(plan.after)
@@ -665,7 +667,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                 args = ", ".join(
                     f"{var}[{names.index(u.buffer)}]" if u.buffer in names else u.buffer
                     for u in plan.operands
-                    if u.role != "iota"
+                    if u.role not in lanes.CONST_ROLES
                 )
                 pending = _PendingMatmul(node, var, names, len(self.lines), None)
                 pending.plan = plan

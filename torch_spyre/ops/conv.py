@@ -7,8 +7,8 @@ kernel 4, padding 3, then sliced to the sequence; decode steps run it with
 padding 0 on the cached window): it runs as ``sim.ssm.depthwise_conv1d``.
 The input is made time-major and zero-padded (one DMA pass, channels
 become the stick dim so the taps are row shifts), the weights are laid out
-tap-major ([K, C], a few KB); the result is returned as a [B, C, T] view of
-the time-major output (the Mamba layer transposes it straight back).
+tap-major ([K, C], a few KB); the program stores the result in the
+convolution's own [B, C, T] layout.
 
 Every other convolution still takes the host fallback (counted, warned).
 """
@@ -64,12 +64,12 @@ def _depthwise_1d(x, weight, bias, stride, padding, dilation, transposed, groups
     kern = launch.kernel(key, build)
     if kern.program is None:
         return None
-    out = torch.empty((b, t_out, c), dtype=x.dtype, device=dev)
+    out = torch.empty((b, c, t_out), dtype=x.dtype, device=dev)
     bind = {"x": operands.whole(xt), "w": operands.whole(taps), "out": out}
     if bias is not None:
         bind["bias"] = operands.whole(bias)
     kern.launch(bind)
-    return out.transpose(1, 2)
+    return out
 
 
 # PyTorch runs the convolutions of out-of-tree devices as convolution_overrideable,

@@ -32,22 +32,25 @@ def depthwise_conv1d(
     name: str | None = None,
 ) -> Program:
     """Operands ``x`` [b, t_out + k - 1, c] (padded, time-major), ``w`` [k, c]
-    (the taps), ``bias`` [c] when ``bias``, ``out`` [b, t_out, c]."""
+    (the taps), ``bias`` [c] when ``bias``, ``out`` [b, c, t_out] (the
+    convolution's own layout: the store writes the tile channel-major)."""
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)
     pc = max(1, min(cfg.cores, ceil_div(c, se)))
     ec = ceil_div(ceil_div(c, se), pc) * se if pc > 1 else c
     pc = ceil_div(c, ec)
-    pt = max(1, min(cfg.cores // pc, t_out))
+    # time is the stick dim of the output: each core stores whole sticks of it
+    pt = max(1, min(cfg.cores // pc, ceil_div(t_out, se)))
+    et = ceil_div(ceil_div(t_out, se), pt) * se if pt > 1 else t_out
+    pt = ceil_div(t_out, et)
     pb = max(1, min(cfg.cores // (pc * pt), b))
-    et = ceil_div(t_out, pt)
     c_pad = ceil_div(min(ec, c), 32) * 32  # fp32 sticks of the core's channels
     # x tile (double buffered, fp32-held), product, accumulator, out (double buffered)
     per_row = c_pad * 4 * 6
     tt = max(1, min(et, (cfg.lx_bytes // 2 - k * c_pad * 4) // per_row))
     dims = (
         Dim("b", b, pb, 1),
-        Dim("t", t_out, pt, tt),
+        Dim("t", t_out, pt, tt, chunk=et if pt > 1 else None),
         Dim("c", c, pc, chunk=ec if pc > 1 else None),
     )
     loops = ("b", "t")
@@ -72,7 +75,7 @@ def depthwise_conv1d(
             steps.append(Vector("add", "acc", ("acc", "prod"), (), loops))
     if bias:
         steps.append(Vector("add", "acc", ("acc", "bt"), (), loops))
-    steps.append(Store("out", "acc", ("b", "t", "c"), loops))
+    steps.append(Store("out", "acc", ("b", "c", "t"), loops))
     lay = SpyreTensorLayout.default
     operands = [
         Operand("x", lay((b, t_out + k - 1, c), dtype), "input"),
@@ -80,7 +83,7 @@ def depthwise_conv1d(
     ]
     if bias:
         operands.append(Operand("bias", lay((c,), dtype), "input"))
-    operands.append(Operand("out", lay((b, t_out, c), dtype), "output"))
+    operands.append(Operand("out", lay((b, c, t_out), dtype), "output"))
     return Program(
         name=name or f"conv1d_dw_{b}x{t_out}x{c}_k{k}",
         dims=dims,
