@@ -134,3 +134,31 @@ def test_gather_tables():
     assert hits == {(1, 0, 0), (2, 0, 1), (4, 1, 0), (5, 1, 1)}
     assert lanes.needs_gather(64, [4, 16], 0, 32) and not lanes.needs_gather(64, [2, 32], 0, 32)
     assert lanes.needs_gather(128, [16], 56, 64) and not lanes.needs_gather(128, [64], 64, 64)
+
+
+def test_sub_block_of_a_reshaped_dim():
+    """The last 6 positions of each of 2 heads of a [2 * 10, 32] projection (a
+    sliding-window cache keeping its window): pieces (2, 10) read from (0, 4)."""
+
+    def f(x):
+        return x.view(2, 10, 32)[:, 4:] * 2
+
+    got, want = _compiled(f, torch.randn(20, 32), dtype=torch.float32)
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+
+
+def test_rolled_cache_and_modular_indices():
+    """A full sliding-window cache shifts by one each decode step: roll is a
+    modular index, read by the device gather; the index itself is computed
+    in a kernel (fmod on the vector unit)."""
+
+    def f(cache, new):
+        rolled = cache.roll(-1, dims=-2)
+        rolled[:, :, torch.tensor([-1], device=cache.device)] = new
+        idx = (torch.arange(8, device=cache.device) + 3) % 8
+        return rolled[:, :, idx] + 1
+
+    got, want = _compiled(
+        f, torch.randn(1, 2, 8, 16), torch.randn(1, 2, 1, 16), dtype=torch.float32
+    )
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
-from torch_spyre.compiler import lanes, trig
+from torch_spyre.compiler import lanes, pieces, trig
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
@@ -88,6 +88,9 @@ def _register_ops() -> None:
         ("isinf", torch.isinf, "simple", 1),
         # range reduction of sin/cos (compiler/trig.py)
         ("round", torch.round, "simple", 1),
+        # modular index arithmetic (a rolled sliding-window cache): a division
+        ("fmod", torch.fmod, "transcendental", 2),
+        ("remainder", torch.remainder, "transcendental", 2),
         ("isnan", torch.isnan, "simple", 1),
         ("fill", lambda v: torch.tensor(v, dtype=torch.float32), "simple", 0),
         # the first input repeated along the dims of the second (which only gives shape)
@@ -150,6 +153,9 @@ _BINARY = {
     "logical_and": "logical_and",
     "logical_or": "logical_or",
     "pow": "pow",
+    "mod": "fmod",  # Inductor's ops.mod: C semantics (the sign of the dividend)
+    "fmod": "fmod",
+    "remainder": "remainder",
 }
 _PY_BINARY = {
     "add": lambda a, b: a + b,
@@ -531,11 +537,14 @@ class ProgramBuilder:
         try:
             factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
         except Unsupported:
-            got = (
-                None
-                if name in self.produced
-                else lanes.stick_terms(index, size, stride, offset, self.ranges)
-            )
+            if name in self.produced:
+                raise
+            try:  # a sub-block of the pieces of a reshaped dim (compiler/pieces.py)
+                dims = pieces.decompose(index, size, stride, offset, self.ranges, dtype)
+                return self._load_pieces(name, dims, size, dtype)
+            except (pieces.PiecesError, Unsupported):
+                pass
+            got = lanes.stick_terms(index, size, stride, offset, self.ranges)
             if got is None:
                 raise
             rest, terms, first = got
@@ -543,8 +552,8 @@ class ProgramBuilder:
         if name not in self.produced and not factors[-1] and size[-1] > 1 and offs[-1] % se:
             return self._lane(name, factors, offs, size, dtype, se)
         if name not in self.produced and factors[-1] and size[-1] > 1:
-            pieces = [self.ranges[v] for v in factors[-1]]
-            if lanes.needs_gather(size[-1], pieces, offs[-1], se):
+            widths = [self.ranges[v] for v in factors[-1]]
+            if lanes.needs_gather(size[-1], widths, offs[-1], se):
                 terms, c = [], 1
                 for v in reversed(factors[-1]):
                     terms.insert(0, (v, c))
@@ -608,32 +617,67 @@ class ProgramBuilder:
             return self._reduce("any", picked, [lane], torch.bool)
         return self._reduce("sum", picked, [lane], block.dtype)
 
+    def _load_pieces(self, name: str, dims, size, dtype) -> Val:
+        """The whole buffer viewed in pieces, loaded from per-piece offsets."""
+        psizes = [p for ps, _, _ in dims for p in ps]
+        offs = tuple(o for _, _, os_ in dims for o in os_)
+        idx = tuple(v for _, vs, _ in dims for v in vs)
+        key = ("pieces", name, tuple(tuple(ps) for ps, _, _ in dims), offs)
+        use = self.operands.get(key)
+        if use is None:
+            lay, start = view_layout(tuple(size), dtype, [ps for ps, _, _ in dims])
+            if start or lay.device_numel != _default_numel(size, dtype):
+                raise Unsupported(f"a view of {name} in pieces {psizes}")
+            shape = () if name in self.scalars else tuple(size)
+            use = OperandUse(f"in{len(self.operands)}", name, "input", lay, shape, 0, offs)
+            self.operands[key] = use
+        ck = ("load", use.name)
+        hit = self.cse.get(ck)
+        if hit is not None:
+            for x, y in zip(self.load_index[use.name], idx):
+                if x is not None and y is not None:
+                    self.uf.union(x, y)
+            return hit
+        vdims = frozenset(d for d in idx if d is not None)
+        buf = self._buf(vdims, dtype, double=True)
+        self.steps.append(Load(buf, use.name, idx, offsets=offs))
+        self.cse[ck] = val = Val(buf, vdims, dtype)
+        self.load_index[use.name] = idx
+        return val
+
     def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:
         """Stick-dim lanes ``first + sum c_v v`` (sub-stick pieces, strided
         patterns; ``compiler/lanes.py``): the whole sticks covering them, then
         a 0/1 table on the PE array.  ``rest`` indexes the other dims."""
-        pieces = [(self.ranges[v], c) for v, c in terms]
-        last = first + sum(c * (n - 1) for n, c in pieces)
+        parts = [(self.ranges[v], c) for v, c in terms]
+        last = first + sum(c * (n - 1) for n, c in parts)
         lo, cover = lanes.covering(size[-1], last - first + 1, first, se)
-        n = math.prod(p for p, _ in pieces)
+        n = math.prod(p for p, _ in parts)
         if cover * n > lanes.MAX_TABLE:
             raise Unsupported(
-                f"elements {first}..{last} of the stick dim of {name} {list(size)} in pieces "
-                f"{pieces}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
+                f"elements {first}..{last} of the stick dim of {name} {list(size)} in parts "
+                f"{parts}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
                 f"(not whole sticks of {se})"
             )
         j = self.new_vars("j", [cover])[0]
         idx = sympy.expand(rest + offset + lo + j)
-        factors, offs = _decompose(idx, size, stride, offset, self.ranges, f"load of {name}")
-        block = self._load_parts(name, factors, offs, size, dtype)
+        try:
+            factors, offs = _decompose(idx, size, stride, offset, self.ranges, f"load of {name}")
+            block = self._load_parts(name, factors, offs, size, dtype)
+        except Unsupported:
+            try:
+                dims = pieces.decompose(idx, size, stride, offset, self.ranges, dtype)
+            except pieces.PiecesError as e:
+                raise Unsupported(f"load of {name}: {e}") from None
+            block = self._load_pieces(name, dims, size, dtype)
         # a block this group loaded already carries its own lane variable
         j = next((d for d in block.dims if self.uf.find(d) == self.uf.find(str(j))), str(j))
-        key = lanes.table_key(cover, first - lo, pieces, dtype)
+        key = lanes.table_key(cover, first - lo, parts, dtype)
         use = self.operands.get(("eye", key))
         vs = [v for v, _ in terms]
         if use is None:
-            lay = SpyreTensorLayout.default((cover, *(p for p, _ in pieces)), dtype)
-            shape = (cover, first - lo, *(x for pc in pieces for x in pc))
+            lay = SpyreTensorLayout.default((cover, *(p for p, _ in parts)), dtype)
+            shape = (cover, first - lo, *(x for pc in parts for x in pc))
             use = OperandUse(f"ey{len(self.operands)}", key, "eye", lay, shape)
             self.operands[("eye", key)] = use
         buf = self._buf({str(j), *vs}, dtype, double=True)

@@ -11,7 +11,11 @@ the card: counted as ``kernel``, never a host fallback):
 * ``aten.index_put`` (what a static KV cache's ``index_copy_`` becomes): an
   indirect store, likewise run by the eager device kernel (a DMA program);
 * ``aten.gather`` (BERT's token-type ids read through the position ids): an
-  index read from data, the eager device gather (a DMA program).
+  index read from data, the eager device gather (a DMA program);
+* ``aten.roll`` and ``aten.index`` with an index that is not an affine
+  function of iotas (a full sliding-window cache shifted each decode step:
+  ``(i + 1) % n``; indices read from data): the eager device kernels (DMA
+  programs).
 
 fuses what one kernel program does better than Inductor's groups:
 
@@ -76,7 +80,68 @@ def _(x, dim, index):
     return x.new_empty(index.shape)
 
 
+@torch.library.custom_op("spyre::roll", mutates_args=())
+def roll(x: torch.Tensor, shifts: list[int], dims: list[int]) -> torch.Tensor:
+    """``torch.roll`` by the device's eager kernel (a DMA program)."""
+    return torch.roll(x, shifts, dims)
+
+
+@roll.register_fake
+def _(x, shifts, dims):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("spyre::index", mutates_args=())
+def index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
+    """``x[indices]`` (advanced indexing) by the device's eager kernel (a DMA program)."""
+    return torch.ops.aten.index.Tensor(x, indices)
+
+
+@index.register_fake
+def _(x, indices):
+    return torch.ops.aten.index.Tensor(x, indices)
+
+
+#: ops whose result is an affine function of iotas and constants when their inputs are
+_AFFINE_OPS = {
+    "iota", "arange", "full", "scalar_tensor", "add", "sub", "mul", "neg", "view", "reshape",
+    "_unsafe_view", "expand", "unsqueeze", "squeeze", "permute", "clone", "_to_copy",
+    "convert_element_type", "lift_fresh_copy", "alias",
+}  # fmt: skip
+
+
+def _affine_index(node, depth: int = 0) -> bool:
+    """True when an index tensor is an affine function of iotas and constants (the
+    planner reads it as an index expression: ``mask[arange(b), arange(n)]``); an
+    index computed from data or through a modulo (a rolled sliding-window cache:
+    ``(iota + 1) % n``) is a gather for the device kernel."""
+    if not isinstance(node, torch.fx.Node) or depth > 24:
+        return not isinstance(node, torch.fx.Node)
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name not in _AFFINE_OPS:
+        return False
+    return all(_affine_index(a, depth + 1) for a in node.all_input_nodes)
+
+
+def _route_index(n: torch.fx.Node):
+    x, indices = n.args[0], n.args[1]
+    if all(i is None or _affine_index(i) for i in indices):
+        return None
+    return torch.ops.spyre.index.default, (x, indices)
+
+
 _ROUTED = {
+    # a full sliding-window cache shifting by one position each decode step:
+    # Inductor writes roll as an index (i + s) % n, which is not affine
+    torch.ops.aten.roll.default: lambda n: (
+        torch.ops.spyre.roll.default,
+        (n.args[0], list(n.args[1]), list(n.args[2]) if len(n.args) > 2 else []),
+    ),
+    torch.ops.aten.index.Tensor: _route_index,
     # BERT-style token-type buffers: gather(buffer.expand(b, -1), 1, position_ids)
     torch.ops.aten.gather.default: lambda n: (
         torch.ops.spyre.gather.default,
@@ -611,7 +676,10 @@ class SpyreGraphPass(CustomGraphModulePass):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
             if route is None or not _on_spyre(node):
                 continue
-            target, args = route(node)
+            routed = route(node)
+            if routed is None:  # the planner serves this one itself
+                continue
+            target, args = routed
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(target, args)
             new.meta.update(node.meta)
