@@ -648,10 +648,29 @@ class ProgramBuilder:
     def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:
         """Stick-dim lanes ``first + sum c_v v`` (sub-stick pieces, strided
         patterns; ``compiler/lanes.py``): the whole sticks covering them, then
-        a 0/1 table on the PE array.  ``rest`` indexes the other dims."""
+        a 0/1 table on the PE array.  ``rest`` indexes the other dims.
+
+        Variables whose lane stride is whole sticks and spans everything
+        inside (the heads of a fused qkv: 192 h + 16 + i) are blocks of the
+        stick dim read through a pieces view, not gathered: the table covers
+        one block's lanes only."""
+        terms = sorted(terms, key=lambda t: -t[1])
+        outer: list[tuple[str, int]] = []
+        base = 0
+        while len(terms) > 1:
+            v, c = terms[0]
+            inner_first = first % c
+            span = inner_first + sum(ci * (self.ranges[vi] - 1) for vi, ci in terms[1:])
+            if c % se or span >= c or size[-1] % c:
+                break
+            outer.append((v, c))
+            base += first - inner_first
+            first = inner_first
+            terms = terms[1:]
         parts = [(self.ranges[v], c) for v, c in terms]
         last = first + sum(c * (n - 1) for n, c in parts)
-        lo, cover = lanes.covering(size[-1], last - first + 1, first, se)
+        block_lanes = min(c for _, c in outer) if outer else size[-1]
+        lo, cover = lanes.covering(block_lanes, last - first + 1, first, se)
         n = math.prod(p for p, _ in parts)
         if cover * n > lanes.MAX_TABLE:
             raise Unsupported(
@@ -659,6 +678,9 @@ class ProgramBuilder:
                 f"{parts}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
                 f"(not whole sticks of {se})"
             )
+        rest = sympy.expand(
+            rest + base + sum(sympy.Symbol(v, integer=True, nonnegative=True) * c for v, c in outer)
+        )
         j = self.new_vars("j", [cover])[0]
         idx = sympy.expand(rest + offset + lo + j)
         try:

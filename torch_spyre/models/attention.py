@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_spyre.ops.attention import _math_ext
+
 NAME = "spyre"
 
 
@@ -52,9 +54,12 @@ def spyre_attention_forward(
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     is_causal = bool(q_len > 1 and mask is None and is_causal)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.spyre.attention_ext(
-        query, key, value, mask, scale, is_causal, float(softcap or 0.0), s_aux
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, s_aux)
     )
+    # the op has no backward: training takes the variants written out (autograd)
+    attend = _math_ext if grad else torch.ops.spyre.attention_ext
+    out = attend(query, key, value, mask, scale, is_causal, float(softcap or 0.0), s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 

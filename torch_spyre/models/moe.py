@@ -68,7 +68,10 @@ def spyre_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The ``"spyre"`` experts implementation (see the module docstring)."""
-    if not served(self):
+    training = torch.is_grad_enabled() and (
+        hidden_states.requires_grad or self.gate_up_proj.requires_grad
+    )
+    if training or not served(self):  # the op has no backward: the stock path trains
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)

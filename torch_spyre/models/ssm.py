@@ -43,6 +43,13 @@ def _is_mamba2_mixer(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("A_log", "dt_bias", "D", "conv1d", "in_proj", "out_proj"))
 
 
+def _needs_grad(*tensors) -> bool:
+    """Training: the card's ops have no backward, the reference functions do."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
 def _chunk_scan(original):
     def mamba2_chunk_scan(
         hidden_states,
@@ -61,6 +68,7 @@ def _chunk_scan(original):
     ):
         served = (
             hidden_states.device.type == "spyre"
+            and not _needs_grad(hidden_states, dt, A, B, C, D)
             and dt_softplus
             and kwargs.get("z") is None
             and kwargs.get("cu_seqlens") is None
@@ -110,6 +118,7 @@ def _state_update(original):
         parts = None
         if (
             hidden_states.device.type == "spyre"
+            and not _needs_grad(hidden_states, dt, A, B, C, D)
             and dt_softplus
             and z is None
             and D is not None
@@ -141,11 +150,14 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None):
         eps = float(self.variance_epsilon)
-        if gate is not None:
+        if gate is not None and not _needs_grad(hidden_states, gate, self.weight):
             return torch.ops.spyre.rmsnorm_gated(hidden_states, gate, self.weight, eps)
+        dtype = hidden_states.dtype
         x = hidden_states.float()
+        if gate is not None:
+            x = x * torch.nn.functional.silu(gate.float())
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return self.weight * x.to(hidden_states.dtype)
+        return self.weight * x.to(dtype)
 
 
 def mamba_kernels(model: nn.Module, options: Any) -> str | None:
