@@ -67,6 +67,16 @@ def reset_fallback_counts() -> None:
     _warned.clear()
 
 
+def _shown_always() -> bool:
+    """Whether an ``always`` filter for the category is in force (e.g.
+    ``warnings.simplefilter("always", FallbackWarning)``): then every fallback
+    warns, not only an op's first."""
+    for action, message, category, module, _lineno in warnings.filters:
+        if message is None and module is None and issubclass(SpyreFallbackWarning, category):
+            return action == "always"
+    return False
+
+
 def _describe(args, kwargs) -> str:
     shapes = []
     for a in tree_flatten((args, kwargs))[0]:
@@ -154,7 +164,7 @@ def host_fallback(op, *args, **kwargs):
             f"tensors to the CPU for this op."
         )
     dispatch_stats.record("fallback", name)
-    if _policy == "warn" and name not in _warned:
+    if _policy == "warn" and (name not in _warned or _shown_always()):
         _warned.add(name)
         warnings.warn(
             f"spyre: aten.{name} has no device kernel for these inputs; it runs on the host "
