@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -323,9 +324,7 @@ def empty_in_layout(
             f"device_layout must be a torch.spyre.SpyreTensorLayout, got {type(layout).__name__}"
         )
     dtype = dtype or layout.dtype
-    device = torch.device("spyre") if device is None else torch.device(device)
-    if device.type != "spyre":
-        raise ValueError(f"device_layout= places a tensor on spyre, not on {device}")
+    device = _spyre_target(device)
     lay = fit(layout, size, dtype)
     index = device.index if device.index is not None else _C._get_device()
     return _C._empty_in_layout(
@@ -336,6 +335,21 @@ def empty_in_layout(
         torch.empty(0, dtype=dtype),
         index,
     )
+
+
+def _spyre_target(device: Any) -> torch.device:
+    """Where a tensor with a device_layout goes: spyre, always, as on IBM's stack
+    (a layout only exists in device memory); another device is warned about."""
+    device = torch.device("spyre") if device is None else torch.device(device)
+    if device.type == "spyre":
+        return device
+    warnings.warn(
+        f"device_layout= places the tensor on spyre (the current card), not on {device}, "
+        f"as IBM's torch-spyre does; drop device_layout= for a {device.type} tensor",
+        UserWarning,
+        stacklevel=4,
+    )
+    return torch.device("spyre")
 
 
 # ------------------------------------------------- device_layout= patches
@@ -353,11 +367,8 @@ def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = Non
         )
     copy = bool(kwargs.pop("copy", False))
     device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
-    device = device or self.device
+    device = _spyre_target(device or self.device)
     dtype = dtype or self.dtype
-    if torch.device(device).type != "spyre":
-        raise ValueError(f"device_layout= places a tensor on spyre, not on {device}")
-    device = torch.device(device)
     if (
         not copy
         and self.device.type == "spyre"
