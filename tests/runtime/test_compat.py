@@ -207,3 +207,22 @@ def test_aiu_world_size_matches_the_cards(spyre_python):
         TORCH_SPYRE_NUM_CARDS="",
     )
     assert r.stdout.split() == ["2", "2"], r.stderr
+
+
+def test_compiled_kv_write_into_a_device_layout_input():
+    """spyre-inference's compiled reshape_and_cache: index_copy_ into slot-major pages
+    (a graph input whose storage is not in the default layout)."""
+
+    def write(key, k_slots, slot_mapping):
+        k_slots.index_copy_(0, slot_mapping, key)
+
+    compiled = torch.compile(write, dynamic=False)
+    nb, bs, nkvh, hs = 4, 64, 2, 128
+    host = torch.randn(nb, bs, nkvh, hs, dtype=F16)
+    pages = host.to("spyre", device_layout=slot_major(nb * bs, nkvh, hs))
+    key = torch.randn(2, nkvh, hs, dtype=F16)
+    slots = torch.tensor([5, 200])
+    compiled(key.to("spyre"), pages.view(-1, nkvh, hs), slots.to("spyre"))
+    ref = host.view(-1, nkvh, hs).clone().index_copy_(0, slots, key)
+    assert torch.equal(pages.cpu().view(-1, nkvh, hs), ref)
+    assert compat.same_device_layout(pages.device_tensor_layout(), slot_major(nb * bs, nkvh, hs))
