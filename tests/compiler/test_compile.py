@@ -272,6 +272,24 @@ def test_constant_fills_are_kernels():
     assert dispatch_stats.counts("fallback") == before
 
 
+def test_gather_by_a_device_index_runs_on_the_card():
+    # a paged-KV page read (spyre-inference's attention): index_select by a
+    # one-element device index, then a matmul with the page
+    def f(q, pages, table):
+        page = pages.index_select(0, table[1, 0:1]).squeeze(0)
+        return q @ page.transpose(0, 1)
+
+    q, pages = torch.randn(4, 64), torch.randn(6, 16, 64)
+    table = torch.zeros(2, 32, dtype=torch.int32)
+    table[1, 0] = 4
+    before = dict(dispatch_stats.counts("fallback"))
+    y = torch.compile(f, fullgraph=True, dynamic=False)(
+        q.to("spyre"), pages.to("spyre"), table.to("spyre")
+    )
+    torch.testing.assert_close(y.cpu(), f(q, pages, table), **tolerances(torch.float32))
+    assert dispatch_stats.counts("fallback") == before
+
+
 def test_kv_cache_update_in_place_runs_on_the_card():
     # a static KV cache: index_copy_ into a graph input (an indirect store, run by
     # the eager DMA kernel through spyre::index_put) and a kernel reading it after
