@@ -257,6 +257,19 @@ class SpyreTensorLayout:
         # a scalar is stored exactly like a 1-element vector
         return _default_layout((1,), self.dtype) if not self.host_size else None
 
+    @cached_property
+    def _inverse_perm(self) -> tuple[int, ...]:
+        perm = self._plan[2]
+        inv = [0] * len(perm)
+        for d, p in enumerate(perm):
+            inv[p] = d
+        return tuple(inv)
+
+    @cached_property
+    def padded(self) -> bool:
+        """True when device memory holds padding (the stick dim is not whole sticks)."""
+        return self._plan[0] != self.host_size
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host values (``host_size``) -> a new row-major ``device_size`` tensor.
 
@@ -268,32 +281,63 @@ class SpyreTensorLayout:
             return self._scalar_as_vector.to_device(host.reshape(1))
         padded, split_sizes, perm, synthetic = self._plan
         x = host.to(self.dtype)
-        if any(p != h for p, h in zip(padded, self.host_size)):
+        if self.padded:
             out = torch.zeros(padded, dtype=self.dtype, device=host.device)
             out[tuple(slice(0, h) for h in self.host_size)] = x
             x = out
         x = x.reshape(split_sizes + (1,) * len(synthetic))
         return x.permute(perm).contiguous()
 
-    def to_host(self, device: torch.Tensor) -> torch.Tensor:
-        """A row-major ``device_size`` tensor -> a new contiguous host tensor.
+    def store(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """Write host values (``host_size``, any dtype: cast) into row-major device
+        memory ``device`` (``device_numel`` elements of ``dtype``).
+
+        Without padding this is one strided copy straight into device memory
+        (the re-lay and the cast in one pass, no temporary).
+        """
+        if self._scalar_as_vector is not None or self.padded:
+            device.view(self.device_size).copy_(self.to_device(host.reshape(self.host_size)))
+            return
+        _, split_sizes, _, synthetic = self._plan
+        dst = device.view(self.device_size).permute(self._inverse_perm)
+        dst.copy_(host.reshape(split_sizes + (1,) * len(synthetic)))
+
+    def to_host(self, device: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A row-major ``device_size`` tensor -> a new contiguous host tensor (in
+        ``dtype``, default the layout's).
 
         Never a view of ``device``: callers may overwrite device memory after.
+        Without padding this is one copy: the re-lay and the cast in one pass.
         """
         if self._scalar_as_vector is not None:
-            return self._scalar_as_vector.to_host(device).reshape(())
-        padded, split_sizes, perm, synthetic = self._plan
-        x = device.reshape(self.device_size)
-        inv = [0] * len(perm)
-        for d, p in enumerate(perm):
-            inv[p] = d
-        x = x.permute(inv)
-        if synthetic:
-            x = x.reshape(split_sizes)
-        x = x.reshape(padded)
-        if any(p != h for p, h in zip(padded, self.host_size)):
-            x = x[tuple(slice(0, h) for h in self.host_size)]
-        return x.clone(memory_format=torch.contiguous_format)
+            return self._scalar_as_vector.to_host(device, dtype).reshape(())
+        padded, split_sizes, _, synthetic = self._plan
+        x = device.reshape(self.device_size).permute(self._inverse_perm)
+        out = torch.empty(x.shape, dtype=dtype or self.dtype)
+        out.copy_(x)
+        out = out.view(padded)
+        if self.padded:
+            out = out[tuple(slice(0, h) for h in self.host_size)]
+            return out.clone(memory_format=torch.contiguous_format)
+        return out
+
+    @cached_property
+    def dim_offsets(self) -> tuple[torch.Tensor, ...]:
+        """Per host dim k, the device element offset contributed by each index
+        along k (int64, ``host_size[k]`` entries): every device dim indexes one
+        host dim, so the device offset of a host element is the sum of these
+        over its coordinates.  Gathers and scatters of rows use them."""
+        if self._scalar_as_vector is not None:
+            return ()
+        tabs = []
+        for k, size in enumerate(self.host_size):
+            i = torch.arange(size, dtype=torch.int64)
+            off = torch.zeros(size, dtype=torch.int64)
+            for d, (kk, u) in enumerate(zip(self.dim_map, self.units)):
+                if kk == k:
+                    off += ((i // u) % self.device_size[d]) * self.device_strides[d]
+            tabs.append(off)
+        return tuple(tabs)
 
     def device_offsets(self, host_offsets: torch.Tensor) -> torch.Tensor:
         """Device element offsets of the given contiguous-host element offsets."""

@@ -359,25 +359,21 @@ def _run_tile_by_tile(prog, host):
     dev["out"] = torch.zeros(out.device_size, dtype=out.dtype)
     kv = prog.dim("kv")
     env: dict = {}
+    axes: dict = {}  # env buffer -> its axes
     inner = [s for s in prog.steps if "kv" in s.loops]
     first, last = prog.steps.index(inner[0]), prog.steps.index(inner[-1])
     outer_before, outer_after = prog.steps[:first], prog.steps[last + 1 :]
 
     def run(p, steps, accumulate):
         for s in steps:
-            if isinstance(s, Load):
-                env[s.buffer] = ex._load(p, s, dev)
-            elif isinstance(s, Store):
-                ex._store(p, s, env[s.buffer], dev)
-            else:
-                fn = {"vector": ex._vector, "matmul": ex._matmul, "reduce": ex._reduce}[s.kind]
-                new = fn(p, s, env)
-                contracts = s.kind in ("matmul", "reduce") and "kv" not in p.buffer(s.out).dims
-                if accumulate and contracts:
-                    old = env[s.out].aligned(new.dims)
-                    comb = torch.maximum if getattr(s, "op", "sum") == "max" else torch.add
-                    new = ex._Value(comb(old.float(), new.t.float()).to(new.t.dtype), new.dims)
-                env[s.out] = new
+            out = getattr(s, "out", None)
+            old, old_axes = env.get(out), axes.get(out)
+            ex.build_step(p, s, axes)(dev, env)
+            contracts = s.kind in ("matmul", "reduce") and "kv" not in p.buffer(s.out).dims
+            if accumulate and contracts:
+                prev = ex._Align(old_axes, axes[out])(old)
+                comb = torch.maximum if getattr(s, "op", "sum") == "max" else torch.add
+                env[out] = comb(prev.float(), env[out].float()).to(env[out].dtype)
 
     run(prog, outer_before, False)
     for j, start in enumerate(range(0, kv.size, kv.tile_size)):

@@ -226,3 +226,16 @@ def test_compiled_kv_write_into_a_device_layout_input():
     ref = host.view(-1, nkvh, hs).clone().index_copy_(0, slots, key)
     assert torch.equal(pages.cpu().view(-1, nkvh, hs), ref)
     assert compat.same_device_layout(pages.device_tensor_layout(), slot_major(nb * bs, nkvh, hs))
+
+
+def test_eager_kernels_relay_a_device_layout_operand():
+    # the whole-operand fast path (C++) must not take a device_layout= storage
+    # for a default-layout one
+    nb, bs, nkvh, hs = 2, 64, 2, 128
+    host = torch.randn(nb * bs, nkvh, hs, dtype=F16)
+    pages = host.to("spyre", device_layout=slot_major(nb * bs, nkvh, hs))
+    assert pages.device_tensor_layout().host_size == tuple(host.shape)
+    torch.testing.assert_close((pages * 2).cpu(), host * 2)
+    torch.testing.assert_close(
+        pages.sum(-1).cpu().float(), host.float().sum(-1), atol=0.1, rtol=0.01
+    )

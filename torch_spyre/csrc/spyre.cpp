@@ -24,9 +24,12 @@
 #include <torch/csrc/Generator.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -53,17 +56,21 @@ struct Layout {  // stick layout of a storage made by empty (see layout.py)
   std::vector<int64_t> device_size;
   std::vector<int64_t> dim_map;
   c10::ScalarType dtype;
+  bool custom = false;  // not the default layout of host_size (device_layout=)
 };
 
 struct Block {
   int64_t nbytes;
   int device;
+  int64_t id;  // unique over the process's life: a reused address is a new block
 };
 
 static std::mutex g_mutex;
 static int g_num_cards = 1;
 static CardStats g_stats[kMaxCards];
-static std::unordered_map<void*, Block> g_blocks;
+// ordered, so the block holding any address inside it is found (block_of)
+static std::map<void*, Block> g_blocks;
+static int64_t g_next_block_id = 0;
 static std::unordered_map<void*, Layout> g_layouts;
 // Distinct layouts get small ids, so Python can cache its layout objects by
 // id instead of rebuilding them from sizes on every op.
@@ -85,6 +92,25 @@ static int64_t intern_layout(const Layout& l) {
 }
 static std::atomic<int64_t> g_clock_ps[kMaxCards];  // modelled device time
 thread_local int t_current_device = 0;
+
+// Host memory behind large device blocks: anonymous mappings are zero and
+// lazily backed like calloc's, and transparent huge pages make first touch
+// (loading weights) ~4x cheaper than 4 KiB page faults.
+constexpr size_t kHugeBytes = size_t(2) << 20;
+
+static void* host_alloc_zeroed(size_t nbytes) {
+  if (nbytes < kHugeBytes) return std::calloc(1, nbytes);
+  void* p = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  madvise(p, nbytes, MADV_HUGEPAGE);  // advisory: ignored where THP is off
+  return p;
+}
+
+static void host_free(void* p, size_t nbytes) {
+  if (p == nullptr) return;
+  if (nbytes < kHugeBytes) std::free(p);
+  else munmap(p, nbytes);
+}
 
 static int64_t round_to_stick(int64_t n) {
   return (n + kStickBytes - 1) / kStickBytes * kStickBytes;
@@ -109,10 +135,12 @@ static std::string fmt_bytes(int64_t b) {
 // ------------------------------------------------------------------ allocator
 static void free_block(void* ptr) {
   if (ptr == nullptr) return;
+  size_t nbytes = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_blocks.find(ptr);
     if (it != g_blocks.end()) {
+      nbytes = static_cast<size_t>(it->second.nbytes);
       auto& s = g_stats[it->second.device];
       s.allocated -= it->second.nbytes;
       s.bytes_out += it->second.nbytes;
@@ -122,7 +150,7 @@ static void free_block(void* ptr) {
     g_layouts.erase(ptr);
     g_layout_of_ptr.erase(ptr);
   }
-  std::free(ptr);
+  host_free(ptr, nbytes);
 }
 
 // A DeviceAllocator, so torch.accelerator's memory API (empty_cache,
@@ -153,11 +181,11 @@ struct SpyreAllocator final : public c10::DeviceAllocator {
                          "(TORCH_SPYRE_DEVICE_MEMORY).");
       }
       if (rounded > 0) {
-        ptr = std::calloc(1, static_cast<size_t>(rounded));
+        ptr = host_alloc_zeroed(static_cast<size_t>(rounded));
         TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr,
                          "the host ran out of memory simulating ", fmt_bytes(rounded),
                          " of spyre device memory");
-        g_blocks[ptr] = Block{rounded, device};
+        g_blocks[ptr] = Block{rounded, device, g_next_block_id++};
         s.allocated += rounded;
         s.bytes_in += rounded;
         s.peak = std::max(s.peak, s.allocated);
@@ -810,11 +838,75 @@ static at::Tensor empty_in_layout(std::vector<int64_t> size, std::vector<int64_t
   check_device(device);
   for (auto s : size) TORCH_CHECK(s >= 0, "negative dimension ", s, " in size ", size);
   Layout l{std::move(host_size), std::move(device_size), std::move(dim_map), dtype};
+  auto d = default_layout(l.host_size, dtype);
+  l.custom = d.device_size != l.device_size || d.dim_map != l.dim_map;
   auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
   TORCH_CHECK(static_cast<int64_t>(nbytes) <= layout_nbytes(l), "a layout of ",
               layout_nbytes(l), " device bytes cannot hold a tensor of size ", size);
   return empty_with_layout(std::move(l), size, host_strides(size), device,
                            static_cast<int64_t>(nbytes));
+}
+
+// (id, base address) of the device block holding address `addr`, or (-1, 0).
+// The simulator keys its host-side views of device memory by block id
+// (torch_spyre/sim/hostviews.py): an id is never reused, so a view of a
+// freed block can never be mistaken for one of a new block at its address.
+static std::pair<int64_t, int64_t> block_of(int64_t addr) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto p = reinterpret_cast<void*>(addr);
+  auto it = g_blocks.upper_bound(p);
+  if (it == g_blocks.begin()) return {-1, 0};
+  --it;
+  auto base = static_cast<char*>(it->first);
+  if (static_cast<char*>(p) >= base + it->second.nbytes) return {-1, 0};
+  return {it->second.id, reinterpret_cast<int64_t>(base)};
+}
+
+// A CPU tensor over `ptr` (device memory of `storage`, which it keeps alive).
+static at::Tensor alias_of(const c10::Storage& storage, void* ptr, c10::IntArrayRef sizes,
+                           c10::ScalarType dtype) {
+  auto keep = new c10::Storage(storage);
+  return at::from_blob(
+      ptr, sizes, [keep](void*) { delete keep; }, at::TensorOptions().dtype(dtype));
+}
+
+// The device memory of `t` as a whole kernel operand, in one call on the eager
+// hot path: a CPU tensor aliasing its block as the row-major device tensor of
+// its storage's layout, when `t` is all of its storage in that layout (offset
+// 0, contiguous, the layout's dtype and host sizes); None otherwise (the
+// caller re-lays it first).  Same test as operands._whole_layout.
+static py::object whole_operand(const at::Tensor& t) {
+  if (t.storage_offset() != 0 || !t.is_contiguous()) return py::none();
+  const auto& storage = t.storage();
+  void* ptr = storage.data_ptr().get();
+  std::vector<int64_t> device_size;
+  c10::ScalarType dtype;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_layouts.find(ptr);
+    if (it == g_layouts.end()) return py::none();
+    const auto& l = it->second;
+    if (l.custom || l.dtype != t.scalar_type() || l.host_size != t.sizes().vec()) {
+      return py::none();
+    }
+    device_size = l.device_size;
+    dtype = l.dtype;
+  }
+  if (ptr == nullptr) return py::none();  // nothing allocated (empty)
+  return py::cast(alias_of(storage, ptr, device_size, dtype));
+}
+
+// A new spyre tensor in the default layout and its device memory (as
+// whole_operand gives it), in one call: a kernel's output.
+static py::tuple empty_operand(std::vector<int64_t> sizes, c10::ScalarType dtype, int device) {
+  auto t = empty_memory_format(sizes, dtype, std::nullopt,
+                               c10::Device(c10::DeviceType::PrivateUse1,
+                                           static_cast<c10::DeviceIndex>(device)),
+                               std::nullopt, std::nullopt);
+  void* ptr = t.storage().data_ptr().get();
+  if (ptr == nullptr) return py::make_tuple(t, py::none());
+  auto l = default_layout(sizes, dtype);
+  return py::make_tuple(t, alias_of(t.storage(), ptr, l.device_size, dtype));
 }
 
 static void advance_clock(int device, double seconds) {
@@ -848,6 +940,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_device_tensor", &spyre::device_tensor);
   m.def("_empty_in_layout", &spyre::empty_in_layout);
   m.def("_advance_clock", &spyre::advance_clock);
+  m.def("_block_of", &spyre::block_of);
+  m.def("_whole_operand", &spyre::whole_operand);
+  m.def("_empty_operand", &spyre::empty_operand);
   m.def("_clock_s", &spyre::clock_s);
   m.def("_resize_metadata", [](const at::Tensor& t, std::vector<int64_t> size) {
     spyre::resize_metadata_(t, size, std::nullopt);

@@ -80,6 +80,19 @@ def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
     return k
 
 
+def record_hit() -> None:
+    """A producer's own warm-call cache served a kernel of this cache."""
+    _stats["hits"] += 1
+
+
+#: producers' caches of kernels from this one (forgotten with it)
+_dependents: list[Callable[[], None]] = []
+
+
+def on_clear(forget: Callable[[], None]) -> None:
+    _dependents.append(forget)
+
+
 def cache_info() -> dict[str, int]:
     return {**_stats, "size": len(_cache)}
 
@@ -88,6 +101,8 @@ def clear_cache() -> None:
     """Forget every kernel, and the vector ops the eager layer registered for
     them (named "aten.*": one per op and static arguments, e.g. per scalar)."""
     _cache.clear()
+    for forget in _dependents:
+        forget()
     _stats.update(hits=0, misses=0)
     for registry in (sim_ops.VECTOR_OPS, sim_ops.REDUCTIONS):
         for name in [n for n in registry if n.startswith("aten.")]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from torch_spyre.ops import launch, programs
+from torch_spyre.ops import indexing, launch, programs
 from torch_spyre.runtime.fallback import run_on_values
 
 #: aten base names served here
@@ -44,8 +44,17 @@ MOVEMENT = {
 }  # fmt: skip
 
 
+_names: dict = {}
+
+
 def run(op, args: tuple, kwargs: dict):
-    out = run_on_values(op, args, kwargs, pcie=False)
+    name = _names.get(op)
+    if name is None:
+        name = _names[op] = str(op).removeprefix("aten.")
+    fast = indexing.KERNELS.get(name)
+    out = fast(*args, **kwargs) if fast is not None else NotImplemented
+    if out is NotImplemented:
+        out = run_on_values(op, args, kwargs, pcie=False)
     moved = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if not moved:
         return out

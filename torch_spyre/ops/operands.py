@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_spyre import _C
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import access, cards
 
@@ -35,6 +36,9 @@ def _whole_layout(t: torch.Tensor) -> SpyreTensorLayout | None:
 def memory(t: torch.Tensor) -> torch.Tensor:
     """The device memory of ``t`` as a whole default-layout operand (re-laid
     first if it is not one)."""
+    mem = _C._whole_operand(t)  # the common case, in one call
+    if mem is not None:
+        return mem
     lay = _whole_layout(t)
     if lay is None:
         t = relaid(t)
@@ -83,4 +87,11 @@ def operand_layout(t: torch.Tensor) -> SpyreTensorLayout:
 
 def device_memory(t: torch.Tensor) -> torch.Tensor:
     """The device memory of whole tensor ``t`` (see access.device_tensor)."""
-    return access.device_tensor(t)
+    mem = _C._whole_operand(t)
+    return mem if mem is not None else access.device_tensor(t)
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """A new default-layout spyre tensor and its device memory (a kernel's output)."""
+    t, mem = _C._empty_operand(list(shape), dtype, device.index or 0)
+    return t, mem if mem is not None else access.device_tensor(t)

@@ -20,6 +20,7 @@ import torch
 
 from torch_spyre import _C
 from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.sim.hostviews import VIEWS
 
 _DTYPES = {
     "Half": torch.float16,
@@ -78,6 +79,11 @@ def device_tensor(t: torch.Tensor, layout: SpyreTensorLayout | None = None) -> t
     return _C._device_tensor(t, layout.dtype, list(layout.device_size))
 
 
+def covers_base(t: torch.Tensor, layout: SpyreTensorLayout) -> bool:
+    """True when ``t`` is its storage's whole base tensor in ``layout``."""
+    return _covers_base(t, layout)
+
+
 def _covers_base(t: torch.Tensor, layout: SpyreTensorLayout) -> bool:
     return (
         t.dtype == layout.dtype
@@ -132,8 +138,15 @@ def write(t: torch.Tensor, values: torch.Tensor) -> None:
     values = values.to(dtype=t.dtype).expand(t.shape)
     layout = storage_layout(t)
     dev = device_tensor(t, layout)
+    try:
+        _write(t, values, layout, dev)
+    finally:
+        VIEWS.written(dev)  # the executor's host views of this block are stale now
+
+
+def _write(t: torch.Tensor, values: torch.Tensor, layout: SpyreTensorLayout, dev) -> None:
     if _covers_base(t, layout):
-        dev.copy_(layout.to_device(values))
+        layout.store(dev, values)
         return
     if t.dtype == layout.dtype and t.numel() < _GATHER_FRACTION * layout.numel:
         offsets = layout.device_offsets(_host_offsets(t))
@@ -142,12 +155,38 @@ def write(t: torch.Tensor, values: torch.Tensor) -> None:
     if t.dtype == layout.dtype:
         base = layout.to_host(dev)
         base.reshape(-1).as_strided(t.shape, t.stride(), t.storage_offset()).copy_(values)
-        dev.copy_(layout.to_device(base))
+        layout.store(dev, base)
         return
     base_bytes = _logical_base(t, layout)
     _byte_view(base_bytes, t).copy_(values)
     base = base_bytes.view(layout.dtype)[: layout.numel].view(layout.host_size)
-    dev.copy_(layout.to_device(base))
+    layout.store(dev, base)
+
+
+def read_elements(t: torch.Tensor, offsets: torch.Tensor, device: bool = False) -> torch.Tensor:
+    """The values of the storage elements of ``t`` at ``offsets``, shaped like
+    ``offsets``: only those elements are read.  ``offsets`` are element offsets
+    into the storage's logical base, or into device memory with ``device``;
+    ``t.dtype`` is the layout's."""
+    layout = storage_layout(t)
+    if not device:
+        offsets = layout.device_offsets(offsets.reshape(-1)).view(offsets.shape)
+    return device_tensor(t, layout).reshape(-1)[offsets]
+
+
+def write_elements(
+    t: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, device: bool = False
+) -> None:
+    """Store ``values`` (shaped like ``offsets``) into the storage elements of ``t``
+    at ``offsets`` (as in ``read_elements``): only those elements are written."""
+    layout = storage_layout(t)
+    if not device:
+        offsets = layout.device_offsets(offsets.reshape(-1)).view(offsets.shape)
+    dev = device_tensor(t, layout)
+    try:
+        dev.reshape(-1)[offsets] = values.to(layout.dtype)
+    finally:
+        VIEWS.written(dev)
 
 
 def device_nbytes(t: torch.Tensor) -> int:
@@ -169,5 +208,6 @@ def relinearize(t: torch.Tensor) -> None:
     logical = _logical_base(t, layout)
     _C._drop_layout(t)
     raw = _C._device_bytes(t)
+    VIEWS.written(raw)
     raw.zero_()
     raw[: logical.numel()].copy_(logical)

@@ -11,6 +11,7 @@ import os
 
 from torch_spyre import _C
 from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card
+from torch_spyre.sim.hostviews import VIEWS
 
 MAX_CARDS = 8
 
@@ -34,6 +35,13 @@ def init() -> None:
     """Tell the allocator how many cards there are and how much each holds."""
     n = configured_num_cards()
     _C._init_cards(n, [card(i).config.device_memory_bytes for i in range(n)])
+    # the executor keeps host-layout views of device blocks (sim/hostviews.py)
+    VIEWS.bind(_C._block_of, device_bytes_in_use)
+
+
+def device_bytes_in_use() -> int:
+    """Device memory held by live tensors on all cards, in bytes."""
+    return sum(_C._stats(i)["allocated_bytes"] for i in range(num_cards()))
 
 
 def num_cards() -> int:

@@ -292,7 +292,11 @@ def max_memory_reserved(device: DeviceLike = None) -> int:
 
 
 def empty_cache() -> None:
-    """Nothing is cached: freed device memory returns to the card at once."""
+    """Freed device memory returns to the card at once; this drops the
+    simulator's host-side views of device memory (host RAM, not device memory)."""
+    from torch_spyre.sim.hostviews import VIEWS
+
+    VIEWS.clear()
 
 
 def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:

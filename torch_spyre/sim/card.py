@@ -17,7 +17,7 @@ import torch
 
 from torch_spyre.sim import trace
 from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.executor import execute
+from torch_spyre.sim.executor import runner
 from torch_spyre.sim.program import Program
 from torch_spyre.sim.timing import KernelReport, estimate
 
@@ -25,14 +25,16 @@ MAX_CARDS = 8
 TRANSFER_KINDS = ("h2d", "d2h", "d2d")
 
 _timing_only_depth = 0
+#: ``TORCH_SPYRE_TIMING_ONLY=1``, read once at import (not on every launch)
+_timing_only_env = os.environ.get("TORCH_SPYRE_TIMING_ONLY", "") not in ("", "0")
+#: the flag launches read: the environment, or inside ``timing_only()``
+_timing_only = _timing_only_env
 
 
 def timing_only_active() -> bool:
-    """True inside ``timing_only()`` or with ``TORCH_SPYRE_TIMING_ONLY=1``."""
-    return _timing_only_depth > 0 or os.environ.get("TORCH_SPYRE_TIMING_ONLY", "") not in (
-        "",
-        "0",
-    )
+    """True inside ``timing_only()`` or with ``TORCH_SPYRE_TIMING_ONLY=1`` (read
+    when torch_spyre is imported; change it in code with ``timing_only()``)."""
+    return _timing_only
 
 
 @contextlib.contextmanager
@@ -48,12 +50,14 @@ def timing_only() -> Iterator[None]:
     the environment variable ``TORCH_SPYRE_TIMING_ONLY=1`` turns it on for a
     whole process.
     """
-    global _timing_only_depth
+    global _timing_only_depth, _timing_only
     _timing_only_depth += 1
+    _timing_only = True
     try:
         yield
     finally:
         _timing_only_depth -= 1
+        _timing_only = _timing_only_depth > 0 or _timing_only_env
 
 
 @dataclass
@@ -109,8 +113,8 @@ class SimulatedCard:
         cache serialises the program on every launch).
         """
         rep = report or self.estimate(program)
-        if buffers is not None and not timing_only_active():
-            execute(program, buffers, validate=False)
+        if buffers is not None and not _timing_only:
+            runner(program)(buffers)
         with self._lock:
             start = self.clock_s
             self.clock_s += rep.time_s
@@ -174,6 +178,9 @@ def get_card(index: int = 0) -> SimulatedCard:
     """The process-wide card ``index``, built from ``HardwareConfig.from_env()`` on first use."""
     if not 0 <= index < MAX_CARDS:
         raise ValueError(f"card index must be 0..{MAX_CARDS - 1}, got {index}")
+    card = _cards.get(index)
+    if card is not None:  # the hot path: no lock once the card exists
+        return card
     with _cards_lock:
         card = _cards.get(index)
         if card is None:

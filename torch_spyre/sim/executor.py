@@ -11,6 +11,11 @@ Numerics follow the card: matmuls and reductions accumulate in fp32 (PE array
 and SFU accumulators); 16-bit elementwise ops compute in fp32 and round once
 to the output buffer's dtype; loads/stores convert between the operand's and
 the buffer's dtype.
+
+A program is compiled once into straight-line step closures (``runner``):
+every name lookup, axis permutation and einsum equation is worked out at
+build time, so a warm launch runs only the torch ops.  Operands are read
+through ``hostviews`` (host-layout views kept across launches).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.sim import ops as ops_mod
+from torch_spyre.sim.hostviews import VIEWS
 from torch_spyre.sim.program import (
     Load,
     Matmul,
@@ -33,29 +39,32 @@ from torch_spyre.sim.program import (
 )
 
 _P = "@"  # prefix of a per-core partial axis name
+_HALF = (torch.float16, torch.bfloat16)
 
-
-class _Value:
-    """A tensor whose axes are named by iteration dims (partial axes first)."""
-
-    __slots__ = ("t", "dims")
-
-    def __init__(self, t: torch.Tensor, dims: tuple[str, ...]) -> None:
-        self.t, self.dims = t, dims
-
-    def aligned(self, dims: tuple[str, ...]) -> torch.Tensor:
-        """This value viewed with axes ``dims`` (missing ones broadcast, size 1)."""
-        perm = [self.dims.index(d) for d in dims if d in self.dims]
-        t = self.t.permute(perm) if perm != list(range(len(perm))) else self.t
-        shape = [t.shape[perm.index(self.dims.index(d))] if d in self.dims else 1 for d in dims]
-        return t.reshape(shape)
+Buffers = dict[str, torch.Tensor]
+Runner = Callable[[Buffers], None]
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+    return torch.float32 if dt in _HALF else dt
 
 
-def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool = True) -> None:
+def _held_dtype(operand: torch.dtype, buffer: torch.dtype) -> torch.dtype:
+    """The dtype a loaded buffer is held in.
+
+    Every consumer of a 16-bit float buffer computes in fp32 (the PE array
+    and the vector unit accumulate in fp32), so a buffer loaded from an
+    operand of its own dtype is held in fp32: the same values, converted once
+    (and kept across launches by ``hostviews``) instead of at every use.
+    """
+    if buffer in _HALF and operand == buffer:
+        return torch.float32
+    if buffer == torch.float32 and (operand in _HALF or operand == torch.float32):
+        return torch.float32
+    return buffer
+
+
+def execute(program: Program, buffers: Buffers, validate: bool = True) -> None:
     """Run ``program``; ``buffers`` maps operand names to device-memory tensors.
 
     Each tensor holds the operand in its device layout (``layout.dtype``,
@@ -63,218 +72,343 @@ def execute(program: Program, buffers: dict[str, torch.Tensor], validate: bool =
     """
     if validate:
         program.validate()
-    fast = _same_layout_elementwise(program)
-    for name, dtype, numel, size in _operand_checks(program):
-        t = buffers.get(name)
-        if t is None:
-            raise ProgramError(f"kernel {program.name!r}: no device buffer for operand {name!r}")
-        if t.dtype != dtype or t.numel() != numel:
-            raise ProgramError(
-                f"kernel {program.name!r}: operand {name!r} needs {numel} elements of {dtype} "
-                f"(device size {list(size)}), got {t.numel()} of {t.dtype}"
-            )
-    if fast is not None:
-        fast(buffers)
-        return
-    env: dict[str, _Value] = {}
-    for s in program.steps:
-        if isinstance(s, Load):
-            env[s.buffer] = _load(program, s, buffers)
-        elif isinstance(s, Store):
-            _store(program, s, env[s.buffer], buffers)
-        elif isinstance(s, Vector):
-            env[s.out] = _vector(program, s, env)
-        elif isinstance(s, Matmul):
-            env[s.out] = _matmul(program, s, env)
-        elif isinstance(s, Reduce):
-            env[s.out] = _reduce(program, s, env)
-        elif isinstance(s, RingAllReduce):
-            env[s.buffer] = _allreduce(program, s, env[s.buffer])
+    runner(program)(buffers)
 
 
-_checks: dict[int, tuple[Program, tuple]] = {}
+# program id -> (program, its runner): built once per program object
+_runners: dict[int, tuple[Program, Runner]] = {}
 
 
-def _operand_checks(program: Program) -> tuple:
-    """(name, dtype, device numel, device size) of each operand, once per program."""
-    hit = _checks.get(id(program))
+def runner(program: Program) -> Runner:
+    """The compiled runner of ``program`` (built on first use)."""
+    hit = _runners.get(id(program))
     if hit is not None and hit[0] is program:
         return hit[1]
+    r = _compile(program)
+    if len(_runners) > 8192:
+        _runners.clear()
+    _runners[id(program)] = (program, r)
+    return r
+
+
+def build_step(program: Program, step, dims: dict[str, tuple[str, ...]]) -> Callable:
+    """One step's closure ``(buffers, env) -> None``; ``dims`` maps each env
+    buffer to its axes and is updated with the step's output."""
+    return _STEP_BUILDERS[type(step)](program, step, dims)
+
+
+def _compile(program: Program) -> Runner:
     checks = tuple(
         (o.name, o.layout.dtype, o.layout.device_numel, o.layout.device_size)
         for o in program.operands
     )
-    if len(_checks) > 8192:
-        _checks.clear()
-    _checks[id(program)] = (program, checks)
-    return checks
+    name = program.name
+
+    def check(buffers: Buffers) -> None:
+        for op, dtype, numel, size in checks:
+            t = buffers.get(op)
+            if t is None:
+                raise ProgramError(f"kernel {name!r}: no device buffer for operand {op!r}")
+            if t.dtype != dtype or t.numel() != numel:
+                raise ProgramError(
+                    f"kernel {name!r}: operand {op!r} needs {numel} elements of {dtype} "
+                    f"(device size {list(size)}), got {t.numel()} of {t.dtype}"
+                )
+
+    fast = _same_layout_elementwise(program)
+    if fast is not None:
+
+        def run_fast(buffers: Buffers) -> None:
+            check(buffers)
+            fast(buffers)
+
+        return run_fast
+
+    steps: list[Callable[[Buffers, dict], None]] = []
+    dims: dict[str, tuple[str, ...]] = {}  # env buffer -> its axes, as the steps leave it
+    for s in program.steps:
+        steps.append(build_step(program, s, dims))
+    steps_t = tuple(steps)
+
+    def run(buffers: Buffers) -> None:
+        check(buffers)
+        env: dict[str, torch.Tensor] = {}
+        for step in steps_t:
+            step(buffers, env)
+
+    return run
 
 
-# program id -> (program, specialised runner or None); see _same_layout_elementwise
-_specialised: dict[int, tuple[Program, Callable[[dict[str, torch.Tensor]], None] | None]] = {}
+# ------------------------------------------------------------ alignment
+class _Align:
+    """A tensor with axes ``src`` viewed with axes ``dst`` (missing ones size 1).
+
+    The same permute-then-reshape as a by-name alignment, worked out once.
+    """
+
+    __slots__ = ("perm", "where", "identity")
+
+    def __init__(self, src: tuple[str, ...], dst: tuple[str, ...]) -> None:
+        perm = [src.index(d) for d in dst if d in src]
+        self.perm = None if perm == list(range(len(perm))) else perm
+        present = [d for d in dst if d in src]
+        pos = {d: i for i, d in enumerate(present)}
+        self.where = tuple(pos.get(d, -1) for d in dst)
+        self.identity = self.perm is None and len(present) == len(dst) == len(src)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return t
+        if self.perm is not None:
+            t = t.permute(self.perm)
+        shape = t.shape
+        return t.reshape([shape[w] if w >= 0 else 1 for w in self.where])
 
 
-def _same_layout_elementwise(program: Program) -> Callable[[dict[str, torch.Tensor]], None] | None:
+# ---------------------------------------------------------------- steps
+def _build_load(program: Program, s: Load, dims: dict) -> Callable:
+    op = program.operand(s.operand)
+    buf = program.buffer(s.buffer)
+    layout = op.layout
+    held = _held_dtype(layout.dtype, buf.dtype)
+    keep_view = op.role == "input"
+    narrows = tuple(
+        (k, off, 1 if d is None else program.dim(d).size)
+        for k, (d, off) in enumerate(zip(s.index, s.offsets))
+    )
+    kept = [k for k, d in enumerate(s.index) if d is not None]
+    src = tuple(s.index[k] for k in kept)
+    align = _Align(src, buf.dims)
+    operand, out = s.operand, s.buffer
+    dims[out] = buf.dims
+    read = VIEWS.read
+
+    def load(buffers: Buffers, env: dict) -> None:
+        host = read(buffers[operand], layout, held, keep_view)
+        for k, off, size in narrows:  # a sub-block of the operand
+            host = host.narrow(k, off, size)
+        shape = host.shape
+        env[out] = align(host.reshape([shape[k] for k in kept]))
+
+    return load
+
+
+def _build_store(program: Program, s: Store, dims: dict) -> Callable:
+    op = program.operand(s.operand)
+    layout = op.layout
+    src = dims[s.buffer]
+    align = _Align(src, tuple(d for d in s.index if d is not None))
+    operand, buffer, host_size = s.operand, s.buffer, layout.host_size
+    written = VIEWS.written
+
+    def store(buffers: Buffers, env: dict) -> None:
+        mem = buffers[operand]
+        try:
+            layout.store(mem, align(env[buffer]).reshape(host_size))
+        finally:
+            written(mem)
+
+    return store
+
+
+def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
+    od = ops_mod.vector_op(s.op)
+    out_buf = program.buffer(s.out)
+    aligns = tuple(_Align(dims[x], out_buf.dims) for x in s.inputs)
+    inputs, scalars, out, fn = s.inputs, s.scalars, s.out, od.fn
+    out_dtype = out_buf.dtype
+    acc = _acc_dtype(out_dtype)
+    cast = acc.is_floating_point  # comparisons etc. (bool/int out) keep their input types
+    fill = None
+    if not s.inputs and out_buf.dims:  # a fill: the whole output buffer
+        fill = [program.dim(d).size for d in out_buf.dims]
+    dims[out] = out_buf.dims
+
+    def vector(buffers: Buffers, env: dict) -> None:
+        args = [a(env[x]) for a, x in zip(aligns, inputs)]
+        if cast:
+            args = [a.to(acc) if a.dtype != acc and a.is_floating_point() else a for a in args]
+        res = fn(*args, *scalars)
+        if fill is not None:
+            res = res.expand(fill)
+        env[out] = res.to(out_dtype)
+
+    return vector
+
+
+def _split_axis(
+    t: torch.Tensor, ax: int, cores: int, size: int, chunk: int, pad: float
+) -> torch.Tensor:
+    """Split axis ``ax`` into (cores, per-core chunk); the core axis goes first."""
+    if chunk * cores != size:
+        padding = [0, 0] * (t.dim() - ax - 1) + [0, chunk * cores - size]
+        t = torch.nn.functional.pad(t, padding, value=pad)
+    return t.unflatten(ax, (cores, chunk)).movedim(ax, 0)
+
+
+def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
+    out_buf = program.buffer(s.out)
+    a_dims, b_dims = dims[s.a], dims[s.b]
+    k = [d for d in a_dims if d in b_dims and d not in out_buf.dims]
+    split = []
+    for d in k:
+        dd = program.dim(d)
+        if dd.cores > 1:
+            # the axis index in each operand at the time of its split
+            ax_a, ax_b = a_dims.index(d), b_dims.index(d)
+            split.append((ax_a, ax_b, dd.cores, dd.size, dd.core_extent))
+            a_dims, b_dims = (_P + d,) + a_dims, (_P + d,) + b_dims
+    letters = {d: chr(ord("a") + i) for i, d in enumerate(dict.fromkeys(a_dims + b_dims))}
+    partial = tuple(_P + d for d in k if program.dim(d).cores > 1)
+    out_dims = partial + out_buf.dims
+    eq = (
+        "".join(letters[d] for d in a_dims)
+        + ","
+        + "".join(letters[d] for d in b_dims)
+        + "->"
+        + "".join(letters[d] for d in out_dims)
+    )
+    acc = _acc_dtype(out_buf.dtype) if out_buf.dtype.is_floating_point else torch.float32
+    res_dtype = acc if partial else out_buf.dtype
+    a, b, out = s.a, s.b, s.out
+    dims[out] = out_dims
+    f32 = torch.float32
+
+    def matmul(buffers: Buffers, env: dict) -> None:
+        ta, tb = env[a], env[b]
+        for ax_a, ax_b, cores, size, chunk in split:
+            ta = _split_axis(ta, ax_a, cores, size, chunk, 0.0)
+            tb = _split_axis(tb, ax_b, cores, size, chunk, 0.0)
+        # fp32 accumulation like the PE array; einsum lowers to one (batched) GEMM
+        r = torch.einsum(eq, ta.to(f32), tb.to(f32))
+        env[out] = r.to(res_dtype)
+
+    return matmul
+
+
+def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
+    rd = ops_mod.reduction(s.op)
+    out_buf = program.buffer(s.out)
+    src = dims[s.input]
+    dd = program.dim(s.dim)
+    split = None
+    if dd.cores > 1:
+        split = (src.index(s.dim), dd.cores, dd.size, dd.core_extent, rd.identity)
+        src = (_P + s.dim,) + src
+    ax = src.index(s.dim)
+    rest = tuple(d for d in src if d != s.dim)
+    partial = tuple(d for d in rest if d.startswith(_P))
+    out_dims = partial + out_buf.dims
+    align = _Align(rest, out_dims)
+    inp, out, fn, out_dtype = s.input, s.out, rd.fn, out_buf.dtype
+    dims[out] = out_dims
+    f32 = torch.float32
+
+    def reduce(buffers: Buffers, env: dict) -> None:
+        t = env[inp]
+        if t.is_floating_point():
+            t = t.to(f32)
+        if split is not None:
+            t = _split_axis(t, *split)
+        res = align(fn(t, ax))
+        env[out] = res if partial else res.to(out_dtype)
+
+    return reduce
+
+
+def _build_allreduce(program: Program, s: RingAllReduce, dims: dict) -> Callable:
+    rd = ops_mod.reduction(s.op)
+    src = dims[s.buffer]
+    ax = src.index(_P + s.dim)
+    rest = src[:ax] + src[ax + 1 :]
+    final = not any(d.startswith(_P) for d in rest)
+    buf_dtype = program.buffer(s.buffer).dtype
+    name, fn = s.buffer, rd.fn
+    dims[name] = rest
+
+    def allreduce(buffers: Buffers, env: dict) -> None:
+        r = fn(env[name], ax)
+        env[name] = r.to(buf_dtype) if final else r
+
+    return allreduce
+
+
+_STEP_BUILDERS: dict[type, Callable] = {
+    Load: _build_load,
+    Store: _build_store,
+    Vector: _build_vector,
+    Matmul: _build_matmul,
+    Reduce: _build_reduce,
+    RingAllReduce: _build_allreduce,
+}
+
+
+# ------------------------------------------- the commonest eager kernel
+def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | None:
     """A direct runner for the commonest eager kernel: loads of whole operands
     that share one device layout, one vector op, one store.
 
     Elementwise work does not care where an element sits, so it runs on the
     device tensors as they lie (sticks, padding and all: padding is never
     read back as a value), skipping the layout round trip.  Same numbers as
-    the general path; built once per program.
+    the general path.
     """
-    hit = _specialised.get(id(program))
-    if hit is not None and hit[0] is program:
-        return hit[1]
-    runner = None
     steps = program.steps
     names = tuple(d.name for d in program.dims)
-    if (
+    if not (
         len(steps) >= 3
         and all(isinstance(s, Load) for s in steps[:-2])
         and isinstance(steps[-2], Vector)
         and isinstance(steps[-1], Store)
     ):
-        loads, vec, store = steps[:-2], steps[-2], steps[-1]
+        return None
+    loads, vec, store = steps[:-2], steps[-2], steps[-1]
 
-        # one element position must mean one host index in every operand:
-        # equal device sizes are not enough (another stick dim can have them)
-        def where(lay: SpyreTensorLayout) -> tuple:
-            return (lay.host_size, lay.device_size, lay.dim_map)
+    # one element position must mean one host index in every operand:
+    # equal device sizes are not enough (another stick dim can have them)
+    def where(lay: SpyreTensorLayout) -> tuple:
+        return (lay.host_size, lay.device_size, lay.dim_map)
 
-        layouts = {where(program.operand(s.operand).layout) for s in loads}
-        out_op = program.operand(store.operand)
-        layouts.add(where(out_op.layout))
-        bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
-        if (
-            len(layouts) == 1
-            and all(s.index == names for s in loads)
-            and store.index == names
-            and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
-            and tuple(vec.inputs) == tuple(s.buffer for s in loads)
-            and vec.out == store.buffer
-            and len({s.buffer for s in loads}) == len(loads)
-        ):
-            od = ops_mod.vector_op(vec.op)
-            out_dtype = program.buffer(vec.out).dtype
-            acc = _acc_dtype(out_dtype)
-            operands = [s.operand for s in loads]
-            scalars = vec.scalars
+    layouts = {where(program.operand(s.operand).layout) for s in loads}
+    layouts.add(where(program.operand(store.operand).layout))
+    bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
+    if not (
+        len(layouts) == 1
+        and all(s.index == names for s in loads)
+        and store.index == names
+        and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
+        and tuple(vec.inputs) == tuple(s.buffer for s in loads)
+        and vec.out == store.buffer
+        and len({s.buffer for s in loads}) == len(loads)
+    ):
+        return None
+    od = ops_mod.vector_op(vec.op)
+    out_dtype = program.buffer(vec.out).dtype
+    acc = _acc_dtype(out_dtype)
+    operands = [s.operand for s in loads]
+    scalars = vec.scalars
+    out_name = store.operand
+    fn = od.fn
+    written = VIEWS.written
 
-            # A simple op (add, mul, compare...) on inputs of the output's dtype
-            # is exact in that dtype after one rounding, as torch computes it;
-            # anything else computes in fp32 and rounds once, like the vector
-            # unit (torch's vectorised 16-bit kernels may round intermediates).
-            direct = od.cost_class == "simple" and all(
-                program.operand(o).layout.dtype == out_dtype for o in operands
-            )
-
-            def runner(buffers: dict[str, torch.Tensor]) -> None:
-                args = [buffers[o] for o in operands]
-                if not direct and acc.is_floating_point:
-                    args = [a.to(acc) if a.is_floating_point() else a for a in args]
-                res = od.fn(*args, *scalars)
-                buffers[store.operand].view(res.shape).copy_(res)
-
-    if len(_specialised) > 8192:
-        _specialised.clear()
-    _specialised[id(program)] = (program, runner)
-    return runner
-
-
-def _load(program: Program, s: Load, buffers: dict[str, torch.Tensor]) -> _Value:
-    op = program.operand(s.operand)
-    host = op.layout.to_host(buffers[s.operand].view(op.layout.device_size))
-    if s.offsets:  # a sub-block of the operand
-        for k, (d, off) in enumerate(zip(s.index, s.offsets)):
-            host = host.narrow(k, off, 1 if d is None else program.dim(d).size)
-    keep = [k for k, d in enumerate(s.index) if d is not None]
-    host = host.reshape([host.shape[k] for k in keep])
-    buf = program.buffer(s.buffer)
-    v = _Value(host, tuple(s.index[k] for k in keep))
-    return _Value(v.aligned(buf.dims).to(buf.dtype), buf.dims)
-
-
-def _store(program: Program, s: Store, v: _Value, buffers: dict[str, torch.Tensor]) -> None:
-    op = program.operand(s.operand)
-    dims = tuple(d for d in s.index if d is not None)
-    host = v.aligned(dims).reshape(op.layout.host_size).to(op.layout.dtype)
-    buffers[s.operand].view(op.layout.device_size).copy_(op.layout.to_device(host))
-
-
-def _vector(program: Program, s: Vector, env: dict[str, _Value]) -> _Value:
-    od = ops_mod.vector_op(s.op)
-    out = program.buffer(s.out)
-    args = [env[x].aligned(out.dims) for x in s.inputs]
-    acc = _acc_dtype(out.dtype)
-    if acc.is_floating_point:  # comparisons etc. (bool/int out) keep their input types
-        args = [a.to(acc) if a.dtype != acc and a.is_floating_point() else a for a in args]
-    res = od.fn(*args, *s.scalars)
-    if not s.inputs and out.dims:  # a fill: the whole output buffer
-        res = res.expand([program.dim(d).size for d in out.dims])
-    return _Value(res.to(out.dtype), out.dims)
-
-
-def _split_axis(v: _Value, dim: str, cores: int, size: int, chunk: int, pad: float) -> _Value:
-    """Split axis ``dim`` into (cores, per-core chunk); the core axis goes first."""
-    ax = v.dims.index(dim)
-    t = v.t
-    if chunk * cores != size:
-        padding = [0, 0] * (t.dim() - ax - 1) + [0, chunk * cores - size]
-        t = torch.nn.functional.pad(t, padding, value=pad)
-    t = t.unflatten(ax, (cores, chunk)).movedim(ax, 0)
-    return _Value(t, (_P + dim,) + v.dims)
-
-
-def _matmul(program: Program, s: Matmul, env: dict[str, _Value]) -> _Value:
-    a, b = env[s.a], env[s.b]
-    out = program.buffer(s.out)
-    k = [d for d in a.dims if d in b.dims and d not in out.dims]
-    split = [d for d in k if program.dim(d).cores > 1]
-    for d in split:
-        dd = program.dim(d)
-        a = _split_axis(a, d, dd.cores, dd.size, dd.core_extent, 0.0)
-        b = _split_axis(b, d, dd.cores, dd.size, dd.core_extent, 0.0)
-    # fp32 accumulation like the PE array; einsum lowers to one (batched) GEMM
-    letters = {d: chr(ord("a") + i) for i, d in enumerate(dict.fromkeys(a.dims + b.dims))}
-    partial = tuple(_P + d for d in split)
-    out_dims = partial + out.dims
-    eq = (
-        "".join(letters[d] for d in a.dims)
-        + ","
-        + "".join(letters[d] for d in b.dims)
-        + "->"
-        + "".join(letters[d] for d in out_dims)
+    # A simple op (add, mul, compare...) on inputs of the output's dtype
+    # is exact in that dtype after one rounding, as torch computes it;
+    # anything else computes in fp32 and rounds once, like the vector
+    # unit (torch's vectorised 16-bit kernels may round intermediates).
+    direct = od.cost_class == "simple" and all(
+        program.operand(o).layout.dtype == out_dtype for o in operands
     )
-    acc = _acc_dtype(out.dtype) if out.dtype.is_floating_point else torch.float32
-    r = torch.einsum(eq, a.t.to(torch.float32), b.t.to(torch.float32))
-    return _Value(r.to(acc if partial else out.dtype), out_dims)
+    upcast = not direct and acc.is_floating_point
 
+    def run(buffers: Buffers) -> None:
+        args = [buffers[o] for o in operands]
+        if upcast:
+            args = [a.to(acc) if a.is_floating_point() else a for a in args]
+        res = fn(*args, *scalars)
+        out = buffers[out_name]
+        try:
+            out.view(res.shape).copy_(res)
+        finally:
+            written(out)
 
-def _reduce(program: Program, s: Reduce, env: dict[str, _Value]) -> _Value:
-    v = env[s.input]
-    rd = ops_mod.reduction(s.op)
-    out = program.buffer(s.out)
-    t = v.t.to(torch.float32) if v.t.is_floating_point() else v.t
-    v = _Value(t, v.dims)
-    dd = program.dim(s.dim)
-    if dd.cores > 1:
-        v = _split_axis(v, s.dim, dd.cores, dd.size, dd.core_extent, rd.identity)
-    r = rd.fn(v.t, v.dims.index(s.dim))
-    rest = tuple(d for d in v.dims if d != s.dim)
-    partial = tuple(d for d in rest if d.startswith(_P))
-    val = _Value(r, rest)
-    dims = partial + out.dims
-    res = val.aligned(dims)
-    return _Value(res if partial else res.to(out.dtype), dims)
-
-
-def _allreduce(program: Program, s: RingAllReduce, v: _Value) -> _Value:
-    rd = ops_mod.reduction(s.op)
-    ax = v.dims.index(_P + s.dim)
-    r = rd.fn(v.t, ax)
-    dims = v.dims[:ax] + v.dims[ax + 1 :]
-    buf = program.buffer(s.buffer)
-    if not any(d.startswith(_P) for d in dims):
-        r = r.to(buf.dtype)
-    return _Value(r, dims)
+    return run
