@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from importlib.metadata import entry_points
 
@@ -53,8 +54,14 @@ def test_plugin_stands_down_for_ibms_when_it_is_selected(monkeypatch, caplog):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     assert plugin.register() == plugin.PLATFORM_QUALNAME  # IBM's is not installed here
     monkeypatch.setattr(importlib.metadata, "entry_points", with_ibm)
-    with caplog.at_level("INFO", logger="vllm.torch_spyre"):
-        assert plugin.register() is None
+    # vLLM's "vllm" logger does not propagate to the root, where caplog listens
+    logger = logging.getLogger("vllm.torch_spyre")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="vllm.torch_spyre"):
+            assert plugin.register() is None
+    finally:
+        logger.removeHandler(caplog.handler)
     assert "stands down" in caplog.text and "spyre_inference" in caplog.text
     monkeypatch.setenv("VLLM_PLUGINS", "spyre_inference,spyre")
     assert plugin.register() is None

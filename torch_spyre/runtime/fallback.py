@@ -68,12 +68,13 @@ def reset_fallback_counts() -> None:
 
 
 def _shown_always() -> bool:
-    """Whether an ``always`` filter for the category is in force (e.g.
-    ``warnings.simplefilter("always", FallbackWarning)``): then every fallback
-    warns, not only an op's first."""
+    """Whether an ``always`` filter naming this category is in force
+    (``warnings.simplefilter("always", FallbackWarning)``, as IBM's tests do):
+    then every fallback warns, not only an op's first.  A filter for all
+    warnings keeps the once-per-op rule."""
     for action, message, category, module, _lineno in warnings.filters:
         if message is None and module is None and issubclass(SpyreFallbackWarning, category):
-            return action == "always"
+            return action == "always" and issubclass(category, SpyreFallbackWarning)
     return False
 
 
