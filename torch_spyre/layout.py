@@ -15,12 +15,19 @@ This module is the contract between the runtime (copies), the kernel program
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import torch
 
 STICK_BYTES = 128
+
+#: ``copy(src, dst) -> bool``: a faster ``dst.copy_(src)`` for a permuted view of
+#: device memory into a contiguous host tensor, or False where it does not
+#: apply.  The runtime installs one from its C++ extension (a stick at a time
+#: with the CPU's fp16 conversion instructions); this module needs only torch.
+fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
 #: Host dtypes that device memory stores, and how.  Every one is stored
 #: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used
@@ -314,7 +321,8 @@ class SpyreTensorLayout:
         padded, split_sizes, _, synthetic = self._plan
         x = device.reshape(self.device_size).permute(self._inverse_perm)
         out = torch.empty(x.shape, dtype=dtype or self.dtype)
-        out.copy_(x)
+        if fast_copy is None or not fast_copy(x, out):
+            out.copy_(x)
         out = out.view(padded)
         if self.padded:
             out = out[tuple(slice(0, h) for h in self.host_size)]

@@ -63,9 +63,11 @@ class _Slot:
 
 def _static_repr(v: Any) -> Any:
     if isinstance(v, torch.Tensor):  # a wrapped host scalar
-        return ("tensor", v.dtype, v.item())
-    if isinstance(v, float) and math.isnan(v):
-        return ("nan",)
+        return ("tensor", v.dtype, _static_repr(v.item()))
+    if isinstance(v, float):  # by bits: -0.0 is not 0.0, nan is nan
+        return ("f", v.hex())
+    if isinstance(v, bool | int):  # x + True is not x + 1 (True == 1)
+        return (type(v).__name__, v)
     return v
 
 
@@ -76,10 +78,17 @@ def _register_vector_op(op, template: list, spec: tuple[int, tuple[str, ...]], k
     slots = [i for i, v in enumerate(template) if isinstance(v, _Slot)]
     nargs, kwnames = spec
 
+    out_op = _out_overload(op)
+    out_fn = None
     if not kwnames and slots == list(range(len(template))):
 
         def fn(*tensors: torch.Tensor) -> torch.Tensor:  # only tensors, in order
             return op(*tensors)
+
+        if out_op is not None:
+
+            def out_fn(*tensors: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                return out_op(*tensors, out=out)
 
     else:
 
@@ -89,9 +98,37 @@ def _register_vector_op(op, template: list, spec: tuple[int, tuple[str, ...]], k
                 flat[pos] = t
             return op(*flat[:nargs], **dict(zip(kwnames, flat[nargs:])))
 
+        if out_op is not None:
+
+            def out_fn(*tensors: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                flat = list(template)
+                for pos, t in zip(slots, tensors):
+                    flat[pos] = t
+                return out_op(*flat[:nargs], **dict(zip(kwnames, flat[nargs:])), out=out)
+
     cost = "transcendental" if _base(op) in TRANSCENDENTAL else "simple"
-    sim_ops.register_op(name, fn, cost, len(slots))
+    sim_ops.register_op(name, fn, cost, len(slots), out_fn=out_fn)
     return name
+
+
+def _out_overload(func):
+    """The ``out=`` overload of functional ``func`` (add.Tensor -> add.out): its
+    arguments plus one keyword-only ``out``; None when there is none."""
+    want = [(a.name, str(a.type)) for a in func._schema.arguments]
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1], None)
+    for name in packet.overloads() if packet is not None else ():
+        cand = getattr(packet, name)
+        args = cand._schema.arguments
+        written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+        if (
+            len(written) == 1
+            and written[0].name == "out"
+            and written[0].kwarg_only
+            and len(cand._schema.returns) == 1
+            and [(a.name, str(a.type)) for a in args if a is not written[0]] == want
+        ):
+            return cand
+    return None
 
 
 class _Plan:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from torch_spyre import _C
+from torch_spyre import _C, layout
 from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card
 from torch_spyre.sim.hostviews import VIEWS
 
@@ -37,6 +37,7 @@ def init() -> None:
     _C._init_cards(n, [card(i).config.device_memory_bytes for i in range(n)])
     # the executor keeps host-layout views of device blocks (sim/hostviews.py)
     VIEWS.bind(_C._block_of, device_bytes_in_use)
+    layout.fast_copy = _C._stick_copy
 
 
 def device_bytes_in_use() -> int:

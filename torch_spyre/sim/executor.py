@@ -36,6 +36,8 @@ from torch_spyre.sim.program import (
     RingAllReduce,
     Store,
     Vector,
+    step_reads,
+    step_writes,
 )
 
 _P = "@"  # prefix of a per-core partial axis name
@@ -126,8 +128,12 @@ def _compile(program: Program) -> Runner:
 
     steps: list[Callable[[Buffers, dict], None]] = []
     dims: dict[str, tuple[str, ...]] = {}  # env buffer -> its axes, as the steps leave it
-    for s in program.steps:
-        steps.append(build_step(program, s, dims))
+    presplit = _presplit(program)
+    for i, s in enumerate(program.steps):
+        if i in presplit:
+            steps.append(_build_load(program, s, dims, presplit[i]))
+        else:
+            steps.append(build_step(program, s, dims))
     steps_t = tuple(steps)
 
     def run(buffers: Buffers) -> None:
@@ -150,7 +156,7 @@ class _Align:
 
     def __init__(self, src: tuple[str, ...], dst: tuple[str, ...]) -> None:
         perm = [src.index(d) for d in dst if d in src]
-        self.perm = None if perm == list(range(len(perm))) else perm
+        self.perm = None if perm == list(range(len(perm))) else tuple(perm)
         present = [d for d in dst if d in src]
         pos = {d: i for i, d in enumerate(present)}
         self.where = tuple(pos.get(d, -1) for d in dst)
@@ -166,7 +172,48 @@ class _Align:
 
 
 # ---------------------------------------------------------------- steps
-def _build_load(program: Program, s: Load, dims: dict) -> Callable:
+def _presplit(program: Program) -> dict[int, tuple[str, int, int, int]]:
+    """Loads whose buffer feeds only a matmul that splits it unevenly over cores.
+
+    Such a split pads the operand with zeros (a copy of a whole weight on
+    every launch); done by the load instead, the padded split is what
+    ``hostviews`` keeps for the operand, so a warm launch copies nothing.
+    Returns {load step index: (dim, cores, size, chunk)}.
+    """
+    steps = program.steps
+    out: dict[int, tuple[str, int, int, int]] = {}
+    for m, st in enumerate(steps):
+        if not isinstance(st, Matmul):
+            continue
+        mm_out = program.buffer(st.out).dims
+        for name in (st.a, st.b):
+            # the step that last wrote the operand, and every reader until then
+            w = next((i for i in range(m - 1, -1, -1) if step_writes(steps[i]) == name), None)
+            if w is None or not isinstance(steps[w], Load) or st.a == st.b:
+                continue
+            readers = [i for i in range(w + 1, len(steps)) if name in step_reads(steps[i])]
+            rewritten = next(
+                (i for i in range(w + 1, len(steps)) if step_writes(steps[i]) == name), len(steps)
+            )
+            if [i for i in readers if i < rewritten] != [m]:
+                continue
+            other = program.buffer(st.b if name == st.a else st.a).dims
+            split = [
+                d
+                for d in program.buffer(name).dims
+                if d in other and d not in mm_out and program.dim(d).cores > 1
+            ]
+            if len(split) != 1:
+                continue
+            dd = program.dim(split[0])
+            if dd.core_extent * dd.cores != dd.size:
+                out[w] = (split[0], dd.cores, dd.size, dd.core_extent)
+    return out
+
+
+def _build_load(
+    program: Program, s: Load, dims: dict, split: tuple[str, int, int, int] | None = None
+) -> Callable:
     op = program.operand(s.operand)
     buf = program.buffer(s.buffer)
     layout = op.layout
@@ -183,14 +230,34 @@ def _build_load(program: Program, s: Load, dims: dict) -> Callable:
     dims[out] = buf.dims
     read = VIEWS.read
 
-    def load(buffers: Buffers, env: dict) -> None:
-        host = read(buffers[operand], layout, held, keep_view)
+    def value(host: torch.Tensor) -> torch.Tensor:
         for k, off, size in narrows:  # a sub-block of the operand
             host = host.narrow(k, off, size)
         shape = host.shape
-        env[out] = align(host.reshape([shape[k] for k in kept]))
+        return align(host.reshape([shape[k] for k in kept]))
 
-    return load
+    if split is None:
+
+        def load(buffers: Buffers, env: dict) -> None:
+            env[out] = value(read(buffers[operand], layout, held, keep_view))
+
+        return load
+
+    d, cores, size, chunk = split
+    ax = buf.dims.index(d)
+    dims[out] = (_P + d,) + buf.dims
+
+    def padded_split(host: torch.Tensor) -> torch.Tensor:
+        return _split_axis(value(host), ax, cores, size, chunk, 0.0)
+
+    # what hostviews keeps for this operand: the padded split, named by its recipe
+    recipe = ("split", narrows, tuple(kept), align.perm, align.where, ax, cores, chunk)
+    derive = (recipe, padded_split)
+
+    def load_split(buffers: Buffers, env: dict) -> None:
+        env[out] = read(buffers[operand], layout, held, keep_view, derive)
+
+    return load_split
 
 
 def _build_store(program: Program, s: Store, dims: dict) -> Callable:
@@ -249,15 +316,18 @@ def _split_axis(
 def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
     out_buf = program.buffer(s.out)
     a_dims, b_dims = dims[s.a], dims[s.b]
-    k = [d for d in a_dims if d in b_dims and d not in out_buf.dims]
-    split = []
+    k = [d for d in a_dims if d in b_dims and d not in out_buf.dims and not d.startswith(_P)]
+    split_a, split_b = [], []  # (axis at the time of its split, cores, size, chunk)
     for d in k:
         dd = program.dim(d)
         if dd.cores > 1:
-            # the axis index in each operand at the time of its split
-            ax_a, ax_b = a_dims.index(d), b_dims.index(d)
-            split.append((ax_a, ax_b, dd.cores, dd.size, dd.core_extent))
-            a_dims, b_dims = (_P + d,) + a_dims, (_P + d,) + b_dims
+            # an operand its load already split (see _presplit) has the partial axis
+            if _P + d not in a_dims:
+                split_a.append((a_dims.index(d), dd.cores, dd.size, dd.core_extent))
+                a_dims = (_P + d,) + a_dims
+            if _P + d not in b_dims:
+                split_b.append((b_dims.index(d), dd.cores, dd.size, dd.core_extent))
+                b_dims = (_P + d,) + b_dims
     letters = {d: chr(ord("a") + i) for i, d in enumerate(dict.fromkeys(a_dims + b_dims))}
     partial = tuple(_P + d for d in k if program.dim(d).cores > 1)
     out_dims = partial + out_buf.dims
@@ -276,9 +346,10 @@ def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
 
     def matmul(buffers: Buffers, env: dict) -> None:
         ta, tb = env[a], env[b]
-        for ax_a, ax_b, cores, size, chunk in split:
-            ta = _split_axis(ta, ax_a, cores, size, chunk, 0.0)
-            tb = _split_axis(tb, ax_b, cores, size, chunk, 0.0)
+        for ax, cores, size, chunk in split_a:
+            ta = _split_axis(ta, ax, cores, size, chunk, 0.0)
+        for ax, cores, size, chunk in split_b:
+            tb = _split_axis(tb, ax, cores, size, chunk, 0.0)
         # fp32 accumulation like the PE array; einsum lowers to one (batched) GEMM
         r = torch.einsum(eq, ta.to(f32), tb.to(f32))
         env[out] = r.to(res_dtype)
@@ -399,6 +470,20 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         program.operand(o).layout.dtype == out_dtype for o in operands
     )
     upcast = not direct and acc.is_floating_point
+    out_fn = od.out_fn if direct else None
+
+    if out_fn is not None:
+        # computed straight into device memory: the op's own out= form, in the
+        # output dtype as above (inputs of the output's dtype), so same numbers
+
+        def run_into(buffers: Buffers) -> None:
+            out = buffers[out_name]
+            try:
+                out_fn(*[buffers[o] for o in operands], *scalars, out=out)
+            finally:
+                written(out)
+
+        return run_into
 
     def run(buffers: Buffers) -> None:
         args = [buffers[o] for o in operands]

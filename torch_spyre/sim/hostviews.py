@@ -43,6 +43,8 @@ MIN_BYTES = 64 << 10
 #: below this fraction of MemAvailable / MemTotal the views are dropped
 _PRESSURE_FRACTION = 0.10
 _PRESSURE_EVERY_S = 1.0
+#: misses to wait before trying to admit again into a full budget
+_RETRY_MISSES = 1024
 
 # (address) -> (block id, block base address), or (-1, 0) outside device memory;
 # and the bytes of device memory in use.  Set by the runtime.
@@ -69,6 +71,8 @@ class HostViews:
         self._device_bytes: Callable[[], int] | None = None
         self._budget = _budget_from_env()
         self._pressure_checked = 0.0
+        #: no admission attempt before this many misses (set when the budget is full)
+        self._retry_after = 0
 
     # ------------------------------------------------------------ set-up
     def bind(self, block_of: BlockOf, device_bytes: Callable[[], int]) -> None:
@@ -89,30 +93,38 @@ class HostViews:
 
     # ------------------------------------------------------------- reads
     def read(
-        self, mem: torch.Tensor, layout: SpyreTensorLayout, dtype: torch.dtype, keep: bool
+        self,
+        mem: torch.Tensor,
+        layout: SpyreTensorLayout,
+        dtype: torch.dtype,
+        keep: bool,
+        derive: tuple[tuple, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """``layout.to_host(mem, dtype)``, from a kept view when one is valid.
+        """``layout.to_host(mem, dtype)`` (then ``derive[1]`` of it, a tensor
+        derived from it that ``derive[0]`` names), from a kept view when one is
+        valid.
 
         The result must not be written by the caller.  ``keep``: the operand is
         only read by this program (a kept view of an operand the program also
         writes would be invalidated at once).
         """
         if not keep or layout.nbytes < MIN_BYTES or self._block_of is None or not self._budget:
-            return layout.to_host(mem, dtype)
+            return _convert(mem, layout, dtype, derive)
         ptr = mem.data_ptr()
         block, base = self._block_of(ptr)
         if block < 0:
-            return layout.to_host(mem, dtype)
-        key = (block, ptr - base, layout, dtype)
+            return _convert(mem, layout, dtype, derive)
+        key = (block, ptr - base, layout, dtype, derive[0] if derive else None)
         e = self._entries.get(key)
         if e is not None:
             self.hits += 1
             return e.host
         self.misses += 1
-        host = layout.to_host(mem, dtype)
+        host = _convert(mem, layout, dtype, derive)
         if key in self._seen:
             self._seen.discard(key)
-            self._admit(key, host, block, base)
+            if self.misses >= self._retry_after:
+                self._admit(key, host, block, base)
         else:
             if len(self._seen) > 65536:
                 self._seen.clear()
@@ -126,6 +138,8 @@ class HostViews:
             if self.bytes + nbytes > budget:
                 self._drop_dead()
             if self.bytes + nbytes > budget or self._under_pressure():
+                # full: try again after a while, or once views are dropped
+                self._retry_after = self.misses + _RETRY_MISSES
                 return
             self._entries[key] = _Entry(host, nbytes, block)
             self._by_block.setdefault(block, (base, []))[1].append(key)
@@ -140,6 +154,7 @@ class HostViews:
             self._drop_block(block)
 
     def _drop_block(self, block: int) -> None:
+        self._retry_after = 0
         for key in self._by_block.pop(block, (0, ()))[1]:
             e = self._entries.pop(key, None)
             if e is not None:
@@ -172,6 +187,7 @@ class HostViews:
 
     def clear(self) -> None:
         with self._lock:
+            self._retry_after = 0
             self._entries.clear()
             self._by_block.clear()
             self._seen.clear()
@@ -187,6 +203,11 @@ class HostViews:
             "evictions": self.evictions,
             "invalidations": self.invalidations,
         }
+
+
+def _convert(mem, layout: SpyreTensorLayout, dtype: torch.dtype, derive) -> torch.Tensor:
+    host = layout.to_host(mem, dtype)
+    return host if derive is None else derive[1](host)
 
 
 def _budget_from_env() -> int | float | None:

@@ -25,6 +25,8 @@ class VectorOpDef:
     num_inputs: int
     #: FLOP counted per output element (for rooflines and reports)
     flops: float = 1.0
+    #: ``fn`` writing into ``out=`` (same numbers, no temporary), if it has one
+    out_fn: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,11 @@ def register_op(
     cost_class: str,
     num_inputs: int,
     flops: float = 1.0,
+    out_fn: Callable[..., torch.Tensor] | None = None,
 ) -> None:
     if cost_class not in ("simple", "transcendental"):
         raise ValueError(f"cost_class must be 'simple' or 'transcendental', got {cost_class!r}")
-    VECTOR_OPS[name] = VectorOpDef(name, fn, cost_class, num_inputs, flops)
+    VECTOR_OPS[name] = VectorOpDef(name, fn, cost_class, num_inputs, flops, out_fn)
 
 
 def register_reduction(
