@@ -68,12 +68,40 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SpyreTensorLayout:
+    """``SpyreTensorLayout(host_size, device_size, dim_map, dtype)``.
+
+    IBM's constructor forms are accepted too and mapped onto these fields by
+    ``torch_spyre.compat`` (docs/compat.md): ``SpyreTensorLayout(size, dtype)``,
+    ``SpyreTensorLayout(size, stride, dtype, dim_order)`` and
+    ``SpyreTensorLayout(device_size=..., stride_map=..., device_dtype=...)``.
+    """
+
     host_size: tuple[int, ...]
     device_size: tuple[int, ...]
     dim_map: tuple[int, ...]
     dtype: torch.dtype
+
+    def __init__(self, *args, **kwargs) -> None:
+        if len(args) == 4 and not kwargs and isinstance(args[3], torch.dtype):
+            host_size, device_size, dim_map, dtype = args
+        elif not args and kwargs.keys() == {"host_size", "device_size", "dim_map", "dtype"}:
+            host_size, device_size, dim_map, dtype = (
+                kwargs["host_size"],
+                kwargs["device_size"],
+                kwargs["dim_map"],
+                kwargs["dtype"],
+            )
+        else:
+            from torch_spyre import compat
+
+            host_size, device_size, dim_map, dtype = compat.layout_fields(*args, **kwargs)
+        object.__setattr__(self, "host_size", tuple(int(s) for s in host_size))
+        object.__setattr__(self, "device_size", tuple(int(s) for s in device_size))
+        object.__setattr__(self, "dim_map", tuple(int(d) for d in dim_map))
+        object.__setattr__(self, "dtype", dtype)
+        self.__post_init__()
 
     # ----------------------------------------------------------- construction
     @staticmethod
@@ -157,9 +185,23 @@ class SpyreTensorLayout:
 
     @cached_property
     def stride_map(self) -> tuple[int, ...]:
+        """Host-element stride of each device dim; -1 where it indexes nothing
+        (a synthetic dim, or a host dim of size 1), as in IBM's stack."""
         return tuple(
-            -1 if k < 0 else self.host_strides[k] * u for k, u in zip(self.dim_map, self.units)
+            -1 if k < 0 or self.host_size[k] == 1 else self.host_strides[k] * u
+            for k, u in zip(self.dim_map, self.units)
         )
+
+    def elems_per_stick(self) -> int:
+        """IBM's spelling of :attr:`stick_elems`."""
+        return self.stick_elems
+
+    @property
+    def device_dtype(self):
+        """IBM's name for how device memory stores the elements (a ``DataFormats``)."""
+        from torch_spyre import compat
+
+        return compat.get_device_dtype(self.dtype)
 
     @cached_property
     def device_strides(self) -> tuple[int, ...]:
@@ -188,10 +230,10 @@ class SpyreTensorLayout:
         return self.device_numel // self.stick_elems if self.device_size else 0
 
     def __repr__(self) -> str:
+        # IBM's repr, character for character (their "stride_map =" included)
         return (
-            f"SpyreTensorLayout(host_size={list(self.host_size)}, "
-            f"device_size={list(self.device_size)}, stride_map={list(self.stride_map)}, "
-            f"dtype={self.dtype})"
+            f"SpyreTensorLayout(device_size={list(self.device_size)}, "
+            f"stride_map ={list(self.stride_map)}, device_dtype={self.device_dtype})"
         )
 
     # ------------------------------------------------------------- conversion

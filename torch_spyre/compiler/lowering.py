@@ -221,14 +221,32 @@ def _decompose(index, sizes, strides, offset, ranges: dict[str, int], what: str)
     for j, (sz, st) in enumerate(zip(sizes, strides)):
         vs = sorted(per_dim[j], key=lambda n: -coeff[n])
         expect = st
+        pieces: list[str] = []
         for n in reversed(vs):
             if coeff[n] != expect:
-                raise Unsupported(f"{what}: index {index} mixes dims of the buffer")
+                # a gap between two variables (x[t, h, 0, :] of a [t, h*2*64] buffer:
+                # every other block of sticks): a ghost piece read at one position
+                if not pieces or coeff[n] % expect:
+                    raise Unsupported(f"{what}: index {index} mixes dims of the buffer")
+                pieces.append(ghost(coeff[n] // expect))
+                expect = coeff[n]
+            pieces.append(n)
             expect *= ranges[n]
-        if offsets[j] + expect // st > max(sz, 1):
+        vs = pieces[::-1]
+        last = offsets[j] + sum((ranges[n] - 1) * coeff[n] // st for n in vs if not is_ghost(n))
+        if last >= max(sz, 1):
             raise Unsupported(f"{what}: index {index} reads past dim {j} of the buffer")
         out.append(vs)
     return out, offsets
+
+
+def ghost(n: int) -> str:
+    """A piece of a buffer dim that a load skips over (read at one position)."""
+    return f"~{n}"
+
+
+def is_ghost(v: str) -> bool:
+    return v.startswith("~")
 
 
 def view_layout(size, dtype, factors, offsets=None):
@@ -314,7 +332,7 @@ def _stored_layout(buffer: str) -> SpyreTensorLayout | None:
     return layouts.layout_of(buffer)
 
 
-def strided_view(size, dtype, factors, offsets):
+def strided_view(size, dtype, factors, offsets, ghosts=None):
     """A view that is *not* one contiguous block (a slice of an inner dim:
     the first n positions of every head of a KV cache): the whole buffer as
     the operand, read by a load from per-dim offsets (``Load.offsets``).
@@ -329,15 +347,29 @@ def strided_view(size, dtype, factors, offsets):
     for j, f in enumerate(factors):
         f = list(f) or [1]
         inner = math.prod(f[1:])
-        if size[j] % inner or offsets[j] % inner:
+        if size[j] % inner:
             raise Unsupported(f"a reshape of a {list(size)} buffer that does not divide dim {j}")
-        if j == len(size) - 1 and len(f) == 1 and offsets[j] % se:
+        pieces = [size[j] // inner] + f[1:]
+        # the dim's element offset in the pieces' mixed radix; only the outer
+        # piece and ghost pieces (ghosts=1-based positions in `ghosts[j]`) start
+        # anywhere but 0
+        rem, piece_offs = offsets[j], []
+        for p in reversed(pieces[1:]):
+            rem, o = divmod(rem, p)
+            piece_offs.append(o)
+        piece_offs = [rem] + piece_offs[::-1]
+        free = set(ghosts[j]) if ghosts else set()
+        if any(o and i and i not in free for i, o in enumerate(piece_offs)):
+            raise Unsupported(
+                f"a read of a {list(size)} buffer from element {offsets[j]} of dim {j}"
+            )
+        if j == len(size) - 1 and piece_offs[-1] % se:
             raise Unsupported(
                 f"a slice from element {offsets[j]} of the stick dim of a {list(size)} "
                 f"buffer (not whole sticks of {se}: a DMA cannot shift lanes)"
             )
-        whole.append([size[j] // inner] + f[1:])
-        offs.extend([offsets[j] // inner] + [0] * (len(f) - 1))
+        whole.append(pieces)
+        offs.extend(piece_offs)
     lay, start = view_layout(size, dtype, whole)
     assert start == 0
     return lay, tuple(offs)
@@ -455,8 +487,12 @@ class ProgramBuilder:
             return (1,), (1,), offset, dtype
         return size, stride, offset, dtype
 
+    def _size(self, v: str) -> int:
+        return int(v[1:]) if is_ghost(v) else self.ranges[v]
+
     def _operand(self, buffer: str, role: str, factors, offsets, size, dtype) -> OperandUse:
-        shape_f = [[self.ranges[v] for v in f] for f in factors]
+        shape_f = [[self._size(v) for v in f] for f in factors]
+        ghosts = [[i for i, v in enumerate(f) if is_ghost(v)] for f in factors]
         key = (buffer, role, tuple(tuple(f) for f in shape_f), tuple(offsets))
         use = self.operands.get(key)
         if use is None:
@@ -471,11 +507,13 @@ class ProgramBuilder:
                 lay, start = stored, 0
             else:
                 try:
+                    if any(ghosts):  # pieces read at one position: a sub-block read
+                        raise Unsupported(f"a strided read of {buffer}")
                     lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
                 except Unsupported:
                     if role != "input":
                         raise
-                    lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets)
+                    lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets, ghosts)
                     start = 0
             if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
                 raise Unsupported(f"a store into part of {buffer}")
@@ -490,7 +528,7 @@ class ProgramBuilder:
     def _index(factors) -> tuple[str | None, ...]:
         idx: list[str | None] = []
         for f in factors:
-            idx.extend(f if f else [None])
+            idx.extend([None if is_ghost(v) else v for v in f] if f else [None])
         return tuple(idx)
 
     def _vec(self, op: str, inputs: list[Val], scalars=(), dtype=torch.float32) -> Val:
@@ -525,7 +563,7 @@ class ProgramBuilder:
             return self._lane(name, factors, offs, size, dtype, se)
         if name in self.produced:
             val, pf = self.produced[name]
-            if any(offs):
+            if any(offs) or any(is_ghost(v) for f in factors for v in f):
                 raise Unsupported(f"{name} is read in part after it was written")
             for a, b in zip(pf, factors):
                 if [self.ranges[v] for v in a] != [self.ranges[v] for v in b]:
@@ -581,6 +619,8 @@ class ProgramBuilder:
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
         factors, offs = _decompose(index, size, stride, offset, self.ranges, f"store of {name}")
+        if any(is_ghost(v) for f in factors for v in f):
+            raise Unsupported(f"a strided store into {name}")
         if isinstance(value, Scal):  # a fill: the constant, broadcast below
             value = self._materialise(value)
         idx_dims = {self.uf.find(v) for f in factors for v in f}

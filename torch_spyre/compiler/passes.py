@@ -9,7 +9,9 @@ the card: counted as ``kernel``, never a host fallback):
 * ``aten.embedding``: Inductor lowers it to an indirect load, which kernel
   programs cannot express yet; the eager embedding is a device DMA program.
 * ``aten.index_put`` (what a static KV cache's ``index_copy_`` becomes): an
-  indirect store, likewise run by the eager device kernel (a DMA program).
+  indirect store, likewise run by the eager device kernel (a DMA program);
+* ``aten.index`` with integer indices (``index_select``, a paged-KV page read
+  by a device index): an indirect load, likewise.
 
 fuses what one kernel program does better than Inductor's groups:
 
@@ -63,7 +65,31 @@ def _(x, indices, values, accumulate):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("spyre::index", mutates_args=())
+def index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
+    """``x[indices]`` with integer index tensors (a gather: ``index_select``, a
+    page read by a device index) by the device's eager kernel."""
+    return torch.ops.aten.index.Tensor(x, indices)
+
+
+@index.register_fake
+def _(x, indices):
+    return torch.ops.aten.index.Tensor(x, indices)  # integer indices: shapes only
+
+
+def _integer_gather(n: torch.fx.Node):
+    """aten.index.Tensor with integer indices only (a boolean mask's output
+    size depends on its values: Inductor keeps those)."""
+    for i in n.args[1]:
+        val = i.meta.get("val") if isinstance(i, torch.fx.Node) else None
+        if i is not None and not (isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
+                                  and val.dtype is not torch.bool):  # fmt: skip
+            return None
+    return torch.ops.spyre.index.default, (n.args[0], n.args[1])
+
+
 _ROUTED = {
+    torch.ops.aten.index.Tensor: _integer_gather,
     torch.ops.aten.embedding.default: lambda n: (
         torch.ops.spyre.embedding.default,
         (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
@@ -438,7 +464,10 @@ class SpyreGraphPass(CustomGraphModulePass):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
             if route is None or not _on_spyre(node):
                 continue
-            target, args = route(node)
+            routed = route(node)
+            if routed is None:
+                continue
+            target, args = routed
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(target, args)
             new.meta.update(node.meta)

@@ -26,7 +26,10 @@ def _whole_layout(t: torch.Tensor) -> SpyreTensorLayout | None:
         return None
     lay = access.storage_layout(t)
     if lay.dtype == t.dtype and lay.host_size == tuple(t.shape):
-        return lay
+        # a storage allocated in another layout (device_layout=) is no default operand
+        default = SpyreTensorLayout.default(lay.host_size, lay.dtype)
+        if lay.dim_map == default.dim_map and lay.device_size == default.device_size:
+            return lay
     return None
 
 
