@@ -15,6 +15,7 @@ This module is the contract between the runtime (copies), the kernel program
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -22,6 +23,22 @@ from functools import cached_property, lru_cache
 import torch
 
 STICK_BYTES = 128
+
+
+def _fp16_format_from_env() -> str:
+    raw = os.environ.get("TORCH_SPYRE_FP16_FORMAT", "ieee").strip().lower()
+    if raw not in ("ieee", "dl16"):
+        raise ValueError(f"TORCH_SPYRE_FP16_FORMAT must be 'ieee' or 'dl16', got {raw!r}")
+    return raw
+
+
+#: How device memory encodes fp16 and bf16 values (process-wide, read at
+#: import from ``TORCH_SPYRE_FP16_FORMAT``): "ieee" keeps their own bits
+#: (bit-exact round trips), "dl16" stores the card's DL16 format
+#: (torch_spyre.dl16: the range of the real card, 9 fraction bits), as IBM's
+#: stack maps both to SEN169_FP16.  docs/hardware-model.md says when which.
+FP16_FORMAT = _fp16_format_from_env()
+_HALF = (torch.float16, torch.bfloat16)
 
 #: ``copy(src, dst) -> bool``: a faster ``dst.copy_(src)`` for a permuted view of
 #: device memory into a contiguous host tensor, or False where it does not
@@ -277,6 +294,27 @@ class SpyreTensorLayout:
         """True when device memory holds padding (the stick dim is not whole sticks)."""
         return self._plan[0] != self.host_size
 
+    @property
+    def dl16(self) -> bool:
+        """True when device memory holds this layout's values as DL16 bits."""
+        return FP16_FORMAT == "dl16" and self.dtype in _HALF
+
+    def values(self, raw: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Host values (``dtype``, default the layout's) of raw device elements."""
+        if not self.dl16:
+            return raw if dtype is None else raw.to(dtype)
+        from torch_spyre import dl16
+
+        return dl16.decode(raw.view(torch.int16)).to(dtype or self.dtype)
+
+    def raw(self, values: torch.Tensor) -> torch.Tensor:
+        """Raw device elements (``dtype``-typed) holding ``values``."""
+        if not self.dl16:
+            return values.to(self.dtype)
+        from torch_spyre import dl16
+
+        return dl16.encode(values).view(self.dtype)
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host values (``host_size``) -> a new row-major ``device_size`` tensor.
 
@@ -287,7 +325,10 @@ class SpyreTensorLayout:
         if self._scalar_as_vector is not None:
             return self._scalar_as_vector.to_device(host.reshape(1))
         padded, split_sizes, perm, synthetic = self._plan
-        x = host.to(self.dtype)
+        if self.dl16:  # encode first: DL16 values past fp16's range stay finite
+            x = self.raw(host.to(torch.float32))
+        else:
+            x = host.to(self.dtype)
         if self.padded:
             out = torch.zeros(padded, dtype=self.dtype, device=host.device)
             out[tuple(slice(0, h) for h in self.host_size)] = x
@@ -307,7 +348,8 @@ class SpyreTensorLayout:
             return
         _, split_sizes, _, synthetic = self._plan
         dst = device.view(self.device_size).permute(self._inverse_perm)
-        dst.copy_(host.reshape(split_sizes + (1,) * len(synthetic)))
+        src = host.reshape(split_sizes + (1,) * len(synthetic))
+        dst.copy_(self.raw(src) if self.dl16 else src)
 
     def to_host(self, device: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A row-major ``device_size`` tensor -> a new contiguous host tensor (in
@@ -320,6 +362,19 @@ class SpyreTensorLayout:
             return self._scalar_as_vector.to_host(device, dtype).reshape(())
         padded, split_sizes, _, synthetic = self._plan
         x = device.reshape(self.device_size).permute(self._inverse_perm)
+        if self.dl16:  # the bits in host order, then their values
+            bits = torch.empty(x.shape, dtype=self.dtype)
+            if fast_copy is None or not fast_copy(x, bits):
+                bits.copy_(x)
+            from torch_spyre import dl16
+
+            out = dl16.decode(bits.view(torch.int16)).to(dtype or self.dtype)
+            out = out.view(padded)
+            if self.padded:
+                return out[tuple(slice(0, h) for h in self.host_size)].clone(
+                    memory_format=torch.contiguous_format
+                )
+            return out
         out = torch.empty(x.shape, dtype=dtype or self.dtype)
         if fast_copy is None or not fast_copy(x, out):
             out.copy_(x)

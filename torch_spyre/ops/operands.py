@@ -70,7 +70,7 @@ def relaid(t: torch.Tensor) -> torch.Tensor:
     """A fresh default-layout copy of ``t`` made on the card (a restickify DMA)."""
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if t.numel():
-        access.write(out, access.read(t))
+        access.write(out, access.read(t, device_values=True), device_values=True)
         cards.record_transfer(t.device.index, "d2d", access.device_nbytes(out))
     return out
 
