@@ -136,12 +136,12 @@ def test_paged_attention_matches_a_dense_reference(attention):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("what", ["alibi_slopes", "sliding_window"])
+@pytest.mark.parametrize("what", ["alibi_slopes", "kv_cache_dtype"])
 def test_unsupported_attention_features_are_named(attention, what):
-    kwargs = {"alibi_slopes": None, "sliding_window": None}
-    kwargs[what] = [1.0] if what == "alibi_slopes" else 8
+    kwargs = {"alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto"}
+    kwargs[what] = [1.0] if what == "alibi_slopes" else "fp8"
     with pytest.raises(NotImplementedError, match=what):
-        attention.SpyreAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="auto", **kwargs)
+        attention.SpyreAttentionImpl(4, 16, 0.25, 2, **kwargs)
 
 
 def test_token_buckets(monkeypatch):

@@ -147,6 +147,11 @@ class SpyrePlatform(Platform):
         comp.custom_ops = ["all"]
         model = vllm_config.model_config
         if model is not None:
+            # the user's --enforce-eager (no graphs) means our eager layers too;
+            # vLLM's own compilation is always off here
+            extra = vllm_config.additional_config
+            if isinstance(extra, dict):
+                extra.setdefault("spyre_eager", bool(model.enforce_eager))
             model.enforce_eager = True
             if model.use_mla:
                 raise NotImplementedError("MLA models are not supported on spyre")
