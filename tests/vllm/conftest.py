@@ -87,8 +87,8 @@ def tiny_llama_ref(tiny_llama_dir: str) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    """Start `vllm serve` subprocesses: ``start(model, *args, env=...) -> base URL``;
-    each is terminated when the module's tests are done."""
+    """Start `vllm serve` subprocesses: ``start(model, *args, env=...)`` returns
+    (base URL, its Popen, its log file); each is terminated after the module."""
     import socket
     import subprocess
     import sys
@@ -97,7 +97,7 @@ def vllm_server(tmp_path_factory):
 
     procs = []
 
-    def start(model: str, *args: str, env: dict | None = None, timeout: float = 300) -> str:
+    def start(model: str, *args: str, env: dict | None = None, timeout: float = 300):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -117,7 +117,7 @@ def vllm_server(tmp_path_factory):
                 pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
                 if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    return base
+                    return base, proc, log
             except OSError:
                 pass
             if time.time() > deadline:

@@ -169,14 +169,14 @@ def test_serve_embeddings_and_rerank(vllm_server, tmp_path):
 
     common = ["--runner", "pooling", "--dtype", "float16", "--max-model-len", "128",
               "--kv-cache-memory-bytes", str(8 << 20)]  # fmt: skip
-    base = vllm_server(_minilm(), *common, "--served-model-name", "minilm")
+    base, _, _ = vllm_server(_minilm(), *common, "--served-model-name", "minilm")
     r = _post(base + "/v1/embeddings", {"model": "minilm", "input": SENTENCES})
     got = torch.tensor([d["embedding"] for d in r["data"]])
     want = torch.tensor(SentenceTransformer(_minilm(), device="cpu").encode(SENTENCES))
     assert _cos(got, want).min() >= 0.999
 
     path, model, tok = _save_tiny(tmp_path, "bert", head=transformers.BertForSequenceClassification)
-    base = vllm_server(path, *common, "--served-model-name", "rerank")
+    base, _, _ = vllm_server(path, *common, "--served-model-name", "rerank")
     query, docs = "cores on a ring", ["a ring of cores", "bananas", "sticks of data"]
     batch = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
     with torch.no_grad():

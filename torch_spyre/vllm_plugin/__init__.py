@@ -72,7 +72,8 @@ def register_ops() -> None:
     # Only when spyre is the platform: the layers assume spyre tensors.
     if getattr(current_platform, "device_name", None) != "spyre":
         return
-    from torch_spyre.vllm_plugin import layers, models
+    from torch_spyre.vllm_plugin import layers, metrics, models
 
     layers.register()
     models.register()
+    metrics.install_api_server_collector()

@@ -57,7 +57,9 @@ class SpyreModelRunner(CPUModelRunner):
 
     # -- model ------------------------------------------------------------------
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        _check_fits(self.vllm_config, _checkpoint_bytes(self.model_config))
         super().load_model(load_dummy_weights)
+        _check_fits(self.vllm_config, sum(_device_bytes(p) for p in self.model.parameters()))
         from torch_spyre.vllm_plugin.layers import SpyreEmbeddingMethod, SpyreRotaryEmbedding
 
         for m in self.model.modules():
@@ -300,3 +302,56 @@ class _OnCard:
 def _dtype(buf) -> torch.dtype:
     """The dtype of one of vLLM's input buffers (a CpuGpuBuffer or a tensor)."""
     return buf.gpu.dtype if hasattr(buf, "gpu") else buf.dtype
+
+
+def _device_bytes(t: torch.Tensor) -> int:
+    """Device bytes a host tensor takes on the card (whole sticks, padding included)."""
+    from torch_spyre.layout import SpyreTensorLayout
+
+    return SpyreTensorLayout.default(tuple(t.shape), t.dtype).nbytes
+
+
+def _checkpoint_bytes(model_config) -> int | None:
+    """Weight bytes in the serving dtype, from the local safetensors headers (no
+    loading); None when the checkpoint is not local safetensors."""
+    import json
+    import struct
+    from pathlib import Path
+
+    folder = Path(str(model_config.model))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            total += numel * itemsize
+    return total
+
+
+def _check_fits(vllm_config, weight_bytes: int | None) -> None:
+    """Weights plus the KV cache against the card's device memory, before either
+    is allocated: a clear error naming both and what to change."""
+    from torch_spyre.vllm_plugin.worker import planned_kv_cache_bytes
+
+    if weight_bytes is None:
+        return
+    free, total = torch.spyre.mem_get_info()
+    kv = planned_kv_cache_bytes(vllm_config.cache_config, free - weight_bytes)
+    if weight_bytes + kv > free:
+        raise ValueError(
+            f"spyre: the model does not fit on the card: its weights take "
+            f"{weight_bytes / 2**30:.2f} GiB and the KV cache {kv / 2**30:.2f} GiB of device "
+            f"memory, {(weight_bytes + kv) / 2**30:.2f} GiB in all, but {free / 2**30:.2f} GiB "
+            f"of {total / 2**30:.2f} GiB are free. Set a smaller --kv-cache-memory-bytes, a "
+            "16-bit --dtype, or a larger card (TORCH_SPYRE_DEVICE_MEMORY)."
+        )

@@ -58,6 +58,13 @@ _restore_async_tensor_h2d()
 DEFAULT_KV_CACHE_CAP = 1 << 30
 
 
+def planned_kv_cache_bytes(cache_config, free: int) -> int:
+    """The KV cache the worker will allocate with ``free`` device bytes left."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        return int(cache_config.kv_cache_memory_bytes)
+    return min(int(max(free, 0) * cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
+
+
 class SpyreWorker(CPUWorker):
     def __init__(
         self,
@@ -115,15 +122,12 @@ class SpyreWorker(CPUWorker):
         """Bytes for the KV cache in spyre device memory."""
         explicit = self.cache_config.kv_cache_memory_bytes
         free, total = torch.spyre.mem_get_info()
-        if explicit is not None:
-            if explicit > free:
-                raise ValueError(
-                    f"spyre: kv_cache_memory_bytes={explicit} exceeds the free device "
-                    f"memory ({free} of {total} bytes; TORCH_SPYRE_DEVICE_MEMORY sets it)"
-                )
-            size = int(explicit)
-        else:
-            size = min(int(free * self.cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
+        if explicit is not None and explicit > free:
+            raise ValueError(
+                f"spyre: kv_cache_memory_bytes={explicit} exceeds the free device "
+                f"memory ({free} of {total} bytes; TORCH_SPYRE_DEVICE_MEMORY sets it)"
+            )
+        size = planned_kv_cache_bytes(self.cache_config, free)
         logger.info(
             "spyre: %.1f MiB of device memory for the KV cache (%.1f MiB free of %.1f MiB)",
             size / 2**20,
