@@ -34,7 +34,9 @@ def test_every_residual_is_reported_and_the_config_is_near_the_optimum(results):
     # the configured constants explain the figures nearly as well as the best fit:
     # 15% more weighted squared log error (0.298 vs 0.259; docs: why they stay)
     best = min(r.cost for r in results.values())
-    assert fit._cost(now) == pytest.approx(0.2983, abs=1e-3) and best == pytest.approx(0.2586, abs=2e-3)
+    assert fit._cost(now) == pytest.approx(0.2983, abs=1e-3) and best == pytest.approx(
+        0.2586, abs=2e-3
+    )
     assert fit._cost(now) <= 1.2 * best
     # the split speedups (the largest residuals) do not move with any constant:
     # kernel structure, not card properties, sets them

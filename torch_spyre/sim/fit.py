@@ -227,7 +227,9 @@ def fits(sweeps: int = 3) -> list[FitResult]:
     ]
 
 
-def sensitivity(cfg: HardwareConfig | None = None, step: float = 0.1) -> dict[str, dict[str, float]]:
+def sensitivity(
+    cfg: HardwareConfig | None = None, step: float = 0.1
+) -> dict[str, dict[str, float]]:
     """d log(modelled) / d log(parameter), per measurement and parameter (central
     differences of +-10% in the parameter)."""
     cfg = cfg or HardwareConfig()
