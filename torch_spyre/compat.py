@@ -45,6 +45,8 @@ class DataFormats(enum.Enum):
     SEN169_FP16 = "float16"  # the card's 16-bit float (IBM's DL16 slot)
     BFLOAT16 = "bfloat16"
     IEEE_FP32 = "float32"
+    SEN143_FP8 = "float8_e4m3fn"  # 1 sign, 4 exponent, 3 mantissa bits
+    SEN152_FP8 = "float8_e5m2"  # 1 sign, 5 exponent, 2 mantissa bits
     SENINT8 = "int8"
     SENUINT8 = "uint8"
     SENINT16 = "int16"
