@@ -64,6 +64,7 @@ def pe_rate(a: torch.dtype, b: torch.dtype | None = None) -> float:
         return 2.0 if b is None or b in EIGHT_BIT else 1.0
     return PE_RATE_VS_FP16.get(a, 0.25)
 
+
 #: Vector-unit (SFU) cost classes: cycles per stick processed.  "simple"
 #: (add, mul, max, compare, cast): one stick per cycle (assumed: the vector
 #: unit is one stick wide).  "transcendental" (exp, log, tanh, rsqrt, div,
