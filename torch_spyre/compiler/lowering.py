@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -746,6 +746,15 @@ class ProgramBuilder:
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
         if isinstance(x, Scal):
             return Scal(x.value, dtype)
+        if dtype in FP8_DTYPES:
+            # an 8-bit float is data, not a compute type: the conversion rounds
+            # (the vector unit's fp16 -> fp8 conversion, from a 16-bit value:
+            # a 16-bit source is rounded to it first, as the graph says)
+            if x.dtype in FP8_DTYPES:
+                return x if x.dtype == dtype else self._vec("copy", [x], (), dtype)
+            if src_dtype in (torch.float16, torch.bfloat16) and x.dtype == torch.float32:
+                x = self._vec("copy", [x], (), src_dtype)
+            return self._vec("copy", [x], (), dtype)
         want = _lx_dtype(dtype)
         if want == x.dtype:
             return x
