@@ -17,7 +17,12 @@ import torch
 from torch_spyre.compiler import lowering
 from torch_spyre.compiler.nodes import _buffer_info, _static
 
-MATMULS = ("extern_kernels.mm", "extern_kernels.addmm", "extern_kernels.bmm")
+MATMULS = (
+    "extern_kernels.mm",
+    "extern_kernels.addmm",
+    "extern_kernels.bmm",
+    "extern_kernels._scaled_mm",
+)
 
 
 def _mixed_radix(pairs) -> sympy.Expr:
@@ -94,14 +99,44 @@ def _view_index(b: lowering.ProgramBuilder, inp, vars_) -> tuple[str, sympy.Expr
     return inp.get_name(), expr
 
 
+def _inputs(b: lowering.ProgramBuilder) -> list[str]:
+    """The buffers ``b`` loads so far, in first-load order."""
+    out: list[str] = []
+    for u in b.operands.values():
+        if u.role == "input" and u.buffer not in out:
+            out.append(u.buffer)
+    return out
+
+
+def _broadcast_load(b: lowering.ProgramBuilder, inp, outv, what: str):
+    """A bias or scale broadcast to the output (its dims right-aligned)."""
+    sz = _static(inp.get_size(), what)
+    vs = outv[len(outv) - len(sz) :] if sz else []
+    vs = [v if s > 1 else sympy.Integer(0) for v, s in zip(vs, sz)]
+    return b.load(*_view_index(b, inp, vs))
+
+
 def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
-    """Steps of an mm/addmm/bmm extern node: loads, PE-array matmul, bias epilogue,
-    and the (possibly later dropped) store of its output.  Returns the input
-    buffer names in load order."""
+    """Steps of an mm/addmm/bmm/_scaled_mm extern node: loads (and the weight's
+    prologue, below), PE-array matmul, alpha/scale/bias epilogue, and the
+    (possibly later dropped) store of its output.  Returns the input buffer
+    names in load order.
+
+    A weight computed by a pointwise group of 8-bit data (a dequantisation,
+    ``weight_prologue``) is computed here instead: its loads and vector steps
+    run in the matmul's k loop, in LX, and the dequantised weight never
+    reaches device memory."""
     kind = node.python_kernel_name
     ins = list(node.inputs)
-    bias = ins.pop(0) if kind.endswith("addmm") else None
-    a, w = ins
+    scaled = kind.endswith("_scaled_mm")
+    scales = []
+    bias = None
+    if scaled:
+        a, w, *scales = ins[:4]
+        bias = ins[4] if len(ins) > 4 else None
+    else:
+        bias = ins.pop(0) if kind.endswith("addmm") else None
+        a, w = ins
     asz = _static(a.get_size(), node.get_name())
     wsz = _static(w.get_size(), node.get_name())
     ag, wg = _groups(a, asz), _groups(w, wsz)
@@ -115,22 +150,22 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     kvars = sorted(v.name for v in sympy.sympify(k).free_symbols)
     if not kvars:
         raise lowering.Unsupported("a matmul with k = 1")
-    names = []
     aval = b.load(*_view_index(b, a, av), share=False)
-    names.append(a.get_name())
+    prologue = prologues().get(w.get_name())
+    if prologue is not None:
+        from torch_spyre.compiler.nodes import run_nodes
+
+        run_nodes(b, prologue.nodes)  # stores the weight: an LX value, read below
     wval = b.load(*_view_index(b, w, wv), share=False)
-    names.append(w.get_name())
     acc = b.matmul(aval, wval, kvars)
     alpha = float(node.kwargs.get("alpha", 1))
     beta = float(node.kwargs.get("beta", 1))
     if alpha != 1.0:
         acc = b.mul(acc, lowering.Scal(alpha, torch.float32))
+    for sc in scales:  # _scaled_mm: scale_a, then scale_b, on the fp32 accumulator
+        acc = b.mul(acc, _broadcast_load(b, sc, outv, node.get_name()))
     if bias is not None:
-        bsz = _static(bias.get_size(), node.get_name())
-        bvars = outv[len(outv) - len(bsz) :]
-        bvars = [v if s > 1 else sympy.Integer(0) for v, s in zip(bvars, bsz)]
-        bval = b.load(*_view_index(b, bias, bvars))
-        names.append(bias.get_name())
+        bval = _broadcast_load(b, bias, outv, node.get_name())
         if beta != 1.0:
             bval = b.mul(bval, lowering.Scal(beta, torch.float32))
         acc = b.add(acc, bval)
@@ -138,4 +173,71 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     ostr = _static(out.stride, node.get_name())
     expr = sum((v * st for v, st in zip(outv, ostr)), sympy.Integer(_static([out.offset], "")[0]))
     b.store(node.get_name(), expr, acc)
-    return names
+    return _inputs(b)
+
+
+# ------------------------------------------------------- weight prologues
+class Prologue:
+    """A pointwise group computing a matmul's weight from 8-bit data (its
+    dequantisation), planned into that matmul (``matmul_steps``)."""
+
+    def __init__(self, nodes, weight: str, reads: list[str]) -> None:
+        self.nodes, self.weight, self.reads = nodes, weight, reads
+
+
+def prologues() -> dict[str, Prologue]:
+    """The weight prologues of the graph being compiled, by weight buffer."""
+    from torch._inductor.virtualized import V
+
+    return V.graph.wrapper_code.__dict__.setdefault("_spyre_prologues", {})
+
+
+def weight_prologue(nodes, scheduler) -> tuple[Prologue, object] | None:
+    """(prologue, the consuming matmul's scheduler node) when the fused group
+    ``nodes`` only computes the weight operand of one later extern matmul from
+    graph inputs including 8-bit data (``W = dequant(wq, scale)`` of a
+    quantised linear, then ``mm(x, W.t())``); None otherwise."""
+    from torch._inductor import ir
+    from torch._inductor.scheduler import BaseSchedulerNode
+    from torch._inductor.virtualized import V
+
+    from torch_spyre.layout import FP8_DTYPES
+
+    graph_inputs = set(V.graph.graph_inputs) | set(V.graph.constants)
+    reads: list[str] = []
+    for n in nodes:
+        if not isinstance(n.node, ir.ComputedBuffer) or isinstance(n.node.data, ir.Reduction):
+            return None
+        for d in n.read_writes.reads:
+            if d.name not in reads:
+                reads.append(d.name)
+    names = {n.get_name() for n in nodes}
+    outside = [r for r in reads if r not in names]
+    if not outside or any(r not in graph_inputs for r in outside):
+        return None
+    eight_bit = (*FP8_DTYPES, torch.int8, torch.uint8)
+    if not any(V.graph.get_dtype(r) in eight_bit for r in outside):
+        return None
+    # one buffer leaves the group: the weight, read by exactly one extern matmul
+    leaving = []
+    for n in nodes:
+        for buf in n.get_outputs():
+            users = [u for u in buf.users if not (isinstance(u.node, BaseSchedulerNode) and
+                                                  u.node.get_name() in names)]  # fmt: skip
+            if users:
+                leaving.append((buf.get_name(), users))
+    if len(leaving) != 1 or len(leaving[0][1]) != 1:
+        return None
+    weight, (user,) = leaving[0]
+    if weight in set(V.graph.get_output_names()):
+        return None
+    mm = getattr(user.node, "node", None)
+    kind = getattr(mm, "python_kernel_name", None)
+    if kind not in ("extern_kernels.mm", "extern_kernels.addmm", "extern_kernels._scaled_mm"):
+        return None
+    ins = list(mm.inputs)
+    w = ins[2] if kind.endswith("addmm") else ins[1]
+    # the weight is the matmul's right factor, and nothing else of it
+    if w.get_name() != weight or sum(x.get_name() == weight for x in ins) != 1:
+        return None
+    return Prologue(list(nodes), weight, outside), user.node

@@ -27,7 +27,7 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
 from torch_spyre.compiler import layouts, lowering, options
-from torch_spyre.compiler.matmuls import MATMULS, matmul_steps
+from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
     _simplify,
@@ -100,6 +100,8 @@ class SpyreScheduling(BaseScheduling):
     # ------------------------------------------------------------ codegen
     def codegen_node(self, node) -> None:
         nodes = list(node.get_nodes())
+        if self._defer_weight_prologue(nodes):
+            return
         plans = None
         mm = self._absorbable_matmul(nodes)
         if mm is not None:
@@ -152,6 +154,61 @@ class SpyreScheduling(BaseScheduling):
         for p in plans:
             self._emit(p)
         self.free_buffers_in_scheduler()
+
+    def _defer_weight_prologue(self, nodes) -> bool:
+        """A group that only dequantises the weight of a later matmul (8-bit
+        data times its scale) is planned into that matmul: its loads and vector
+        steps run in the matmul's k loop, and the 16-bit weight never reaches
+        device memory (``matmuls.weight_prologue``).  Chosen by the cost model:
+        the matmul with its prologue against the two kernels apart."""
+        opts = options.current()
+        if not opts.fuse or opts.naive:
+            return False
+        found = weight_prologue(nodes, self.scheduler)
+        if found is None:
+            return False
+        pro, mm_node = found
+        table = prologues()
+        card = cards.card(0)
+        try:
+            table[pro.weight] = pro
+            fused, _ = plan_extern_matmul(mm_node.node)
+            del table[pro.weight]
+            plain, _ = plan_extern_matmul(mm_node.node)
+            alone = self._plan(nodes)
+        except lowering.Unsupported as e:
+            table.pop(pro.weight, None)
+            log.info("spyre: %s not planned into its matmul: %s", pro.weight, e)
+            return False
+        t_fused = card.estimate(fused.program).time_s
+        t_apart = (
+            card.estimate(plain.program).time_s
+            + card.estimate(alone.program).time_s
+            + sum(card.estimate(p.program).time_s for p in alone.pre)
+        )
+        if t_fused > t_apart:
+            log.info(
+                "spyre: %s not planned into its matmul (%.1f us fused vs %.1f us apart)",
+                pro.weight,
+                t_fused * 1e6,
+                t_apart * 1e6,
+            )
+            return False
+        table[pro.weight] = pro
+        V.graph.removed_buffers.add(pro.weight)  # never allocated nor stored
+        # Inductor frees a graph input after its last reader, and the group's
+        # reads now happen when the matmul runs: they move to the matmul's last
+        # use (scheduler attributes read by Inductor's own free_buffers; covered
+        # by tests/compiler/test_quantized_compile.py)
+        to_free = self.scheduler.buffer_names_to_free
+        for r in pro.reads:
+            if r in to_free:
+                to_free.discard(r)
+                mm_node.last_usage.add(r)
+        for n in nodes:
+            n.mark_run()
+        self.free_buffers_in_scheduler()
+        return True
 
     def _absorbable_matmul(self, nodes):
         """The pending matmul whose output only this group reads, if it was the
@@ -273,6 +330,21 @@ class SpyreScheduling(BaseScheduling):
         raise NotImplementedError
 
 
+def plan_extern_matmul(node) -> tuple[lowering.Plan, list[str]]:
+    """The program of an extern matmul node alone (with its weight's prologue,
+    if any) and the buffers it reads."""
+    b = lowering.ProgramBuilder(
+        _buffer_info, _planning_config(), _simplify, options.current().naive
+    )
+    names = matmul_steps(b, node)
+    plan = b.finish(
+        f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",
+        {node.get_name()},
+        allow_lx=True,
+    )
+    return plan, names
+
+
 def _define(wrapper, plan: lowering.Plan) -> str:
     """Define the kernel in the wrapper module (once per program); its name."""
     text = plan.program.to_json()
@@ -346,16 +418,14 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
     def generate_extern_kernel_out(self, node) -> None:
         if getattr(node, "python_kernel_name", None) in MATMULS:
             try:
-                b = lowering.ProgramBuilder(
-                    _buffer_info, _planning_config(), _simplify, options.current().naive
-                )
-                names = matmul_steps(b, node)
-                plan = b.finish(
-                    f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",
-                    {node.get_name()},
-                    allow_lx=True,
-                )
+                plan, names = plan_extern_matmul(node)
             except lowering.Unsupported as e:
+                w = node.inputs[2 if node.python_kernel_name.endswith("addmm") else 1]
+                if w.get_name() in prologues():  # its weight was never stored: no way back
+                    raise lowering.Unsupported(
+                        f"spyre compiler: cannot plan {node.get_name()} with its weight's "
+                        f"dequantisation: {e}"
+                    ) from None
                 # the eager matmul kernel (functional overload: PE-array program),
                 # then a device copy into Inductor's output buffer
                 log.info("spyre: matmul %s left to the eager kernel: %s", node.get_name(), e)
