@@ -155,7 +155,17 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     if prologue is not None:
         from torch_spyre.compiler.nodes import run_nodes
 
-        run_nodes(b, prologue.nodes)  # stores the weight: an LX value, read below
+        # iterate the weight's dims as the matmul reads them (a k read in
+        # pieces, heads x head_dim, is computed in those pieces), then store
+        # it: an LX value, read below
+        wsize = tuple(_static(_buffer_info(w.get_name())[0], node.get_name()))
+        wstride = _static(w.get_layout().stride, node.get_name())
+        under = _buffer_info(w.get_name())[1]
+        factors = {}
+        for f, st in zip((roles[0], wg[-1]), wstride[-2:]):
+            if st in under:
+                factors[(wsize, list(under).index(st))] = f
+        run_nodes(b, prologue.nodes, factors)
     wval = b.load(*_view_index(b, w, wv), share=False)
     acc = b.matmul(aval, wval, kvars)
     alpha = float(node.kwargs.get("alpha", 1))

@@ -134,11 +134,18 @@ def _find_splits(node, pw, red) -> dict[int, int]:
 
 
 def _node_vars(b: lowering.ProgramBuilder, prefix: str, sizes, splits, first: int) -> list:
+    """One expression per iteration dim: a variable, or ``hi * d + lo`` for a
+    split ``d``, or a mixed-radix sum for a list of factor sizes (outer to inner)."""
     out = []
     for i, size in enumerate(sizes):
         d = splits.get(first + i)
         if d is None:
             out.extend(b.new_vars(prefix, [size]))
+        elif isinstance(d, list):
+            expr, acc = sympy.Integer(0), 1
+            for v, f in reversed(list(zip(b.new_vars(prefix, d), d))):
+                expr, acc = expr + v * acc, acc * f
+            out.append(expr)
         else:
             hi, lo = b.new_vars(prefix, [size // d, d])
             out.append(hi * d + lo)
@@ -180,11 +187,18 @@ def _sizes(node: BaseSchedulerNode):
     return pw, red
 
 
-def run_nodes(b: lowering.ProgramBuilder, nodes) -> None:
-    """Record the steps of each scheduler node's store function in ``b``."""
+def run_nodes(b: lowering.ProgramBuilder, nodes, factors: dict | None = None) -> None:
+    """Record the steps of each scheduler node's store function in ``b``.
+
+    ``factors``: {(pointwise sizes, dim): factor sizes} to iterate a dim of the
+    nodes of those sizes as several variables (a matmul's weight prologue is
+    iterated as the matmul reads the weight)."""
     for n in nodes:
         pw, red = _sizes(n)
         splits = _find_splits(n, pw, red)
+        for (sizes, dim), fs in (factors or {}).items():
+            if tuple(pw) == sizes and len(fs) > 1 and dim not in splits:
+                splits[dim] = list(fs)
         vars_ = _node_vars(b, "x", pw, splits, 0)
         rvars = _node_vars(b, "r", red, splits, len(pw))
         b.node_rvars = sorted({x.name for v in rvars for x in sympy.sympify(v).free_symbols})
