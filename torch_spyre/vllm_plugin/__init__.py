@@ -72,6 +72,7 @@ def register_ops() -> None:
     # Only when spyre is the platform: the layers assume spyre tensors.
     if getattr(current_platform, "device_name", None) != "spyre":
         return
-    from torch_spyre.vllm_plugin import layers
+    from torch_spyre.vllm_plugin import layers, quantization
 
     layers.register()
+    quantization.register()  # fp8 linear layers on the card
