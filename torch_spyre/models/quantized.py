@@ -124,6 +124,19 @@ def quantize(
     return model
 
 
+def quantize_meta(model: nn.Module, dtype: torch.dtype = torch.float8_e4m3fn) -> nn.Module:
+    """``quantize`` for a model on the meta device (no values: estimates):
+    every ``nn.Linear`` becomes a ``QuantizedLinear`` of an 8-bit weight and
+    one fp32 scale per output channel, shapes only."""
+    for name, parent, child in list(_linears(model)):
+        n, k = child.weight.shape
+        w = torch.empty((n, k), dtype=dtype, device=child.weight.device)
+        s = torch.empty((n,), dtype=torch.float32, device=child.weight.device)
+        layer = QuantizedLinear(w, s, child.bias)
+        setattr(parent, name.split(".")[-1], layer)
+    return model
+
+
 def from_compressed_tensors(model: nn.Module) -> int:
     """Keep the 8-bit weights of a model loaded from a compressed-tensors
     checkpoint: its compressed linear layers become ``QuantizedLinear``.
