@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -679,7 +679,10 @@ class ProgramBuilder:
 
     def matmul(self, a: Val, b: Val, kvars: list[str]) -> Val:
         """A PE-array contraction of ``a`` and ``b`` over ``kvars`` (fp32 accumulation)."""
-        dims = (a.dims | b.dims) - set(kvars)
+        # contracted: the k variables and any unified with them (an operand
+        # computed in this group, a weight's prologue, has its own names)
+        ks = {self.uf.find(k) for k in kvars}
+        dims = frozenset(d for d in a.dims | b.dims if self.uf.find(d) not in ks)
         out = self._buf(dims, torch.float32)
         self.steps.append(Matmul(out, a.buf, b.buf))
         self.reduced.update(kvars)
@@ -746,6 +749,15 @@ class ProgramBuilder:
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
         if isinstance(x, Scal):
             return Scal(x.value, dtype)
+        if dtype in FP8_DTYPES:
+            # an 8-bit float is data, not a compute type: the conversion rounds
+            # (the vector unit's fp16 -> fp8 conversion, from a 16-bit value:
+            # a 16-bit source is rounded to it first, as the graph says)
+            if x.dtype in FP8_DTYPES:
+                return x if x.dtype == dtype else self._vec("copy", [x], (), dtype)
+            if src_dtype in (torch.float16, torch.bfloat16) and x.dtype == torch.float32:
+                x = self._vec("copy", [x], (), src_dtype)
+            return self._vec("copy", [x], (), dtype)
         want = _lx_dtype(dtype)
         if want == x.dtype:
             return x
@@ -1103,11 +1115,38 @@ def _matmul_split(
         tiles[d] = 1 if tk < sizes[inner_k] else max(1, tk // sizes[inner_k])
     others = [d for d in sorted(sizes, key=_dkey) if d not in (*batch, *rows, nd, *kd)]
     loops = tuple(batch + rows + [nd] + [d for d in others if d not in reduced] + kd)
+    steps = _prologue_first(steps, mm, set(kd), buffers)
     mm_bufs = {mm.a, mm.b}
+    kset = set(kd)
     mm_steps = {
-        i for i, s in enumerate(steps) if s is mm or (isinstance(s, Load) and s.buffer in mm_bufs)
+        i
+        for i, s in enumerate(steps)
+        if s is mm
+        or (isinstance(s, Load) and s.buffer in mm_bufs)
+        # a weight's prologue (its dequantisation): whatever works on k tiles
+        or (isinstance(s, Load | Vector) and kset & set(buffers[step_writes(s)].dims))
     }
     return split, tiles, loops, mm_steps, steps
+
+
+def _prologue_first(steps, mm, kd: set[str], buffers):
+    """Steps before the matmul that do not work on k tiles (a weight scale's
+    load) moved ahead of those that do, so the k loop is one loop."""
+    at = steps.index(mm)
+    before = steps[:at]
+
+    def on_k(s) -> bool:
+        w = step_writes(s)
+        return w is not None and bool(kd & set(buffers[w].dims))
+
+    outer = [s for s in before if not on_k(s)]
+    if not outer or len(outer) == len(before):
+        return steps
+    k_written = {step_writes(s) for s in before if s not in outer}
+    if any(r in k_written for s in outer for r in step_reads(s)):
+        return steps  # an outer step reads a k tile: keep the program order
+    inner = [s for s in before if s not in outer]
+    return [*outer, *inner, *steps[at:]]
 
 
 def _stream_rows(steps, buffers, reduced) -> set[int] | None:
@@ -1574,6 +1613,7 @@ def _fit(
                 st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
             else:
                 st.append(replace(s, loops=lp))
+        st = _hoist_short_loads(st)
         return Program(
             name=name,
             dims=dims,
@@ -1636,6 +1676,29 @@ def _fit(
                 prog = _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget)
     prog.validate(cfg)
     return prog
+
+
+def _hoist_short_loads(steps: list) -> list:
+    """An input loaded in fewer loops than the steps after it (an epilogue's
+    per-row scale, [M, 1], read outside the column loop) is loaded before the
+    first step that opens those loops, so the loop nest stays one nest (a
+    load between two steps of a loop would close it and open a second one)."""
+    out = list(steps)
+    i = 0
+    while i < len(out):
+        s = out[i]
+        if isinstance(s, Load) and i > 0:
+            n = len(s.loops)
+            prev = out[i - 1].loops
+            later = any(len(t.loops) > n and t.loops[:n] == s.loops for t in out[i + 1 :])
+            if len(prev) > n and prev[:n] == s.loops and later:
+                # the first step of the run of deeper steps just before it
+                j = i - 1
+                while j > 0 and len(out[j - 1].loops) > n and out[j - 1].loops[:n] == s.loops:
+                    j -= 1
+                out.insert(j, out.pop(i))
+        i += 1
+    return out
 
 
 def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget) -> Program:

@@ -243,6 +243,25 @@ def _linear_of(node, seen: list):
     return x, wt.args[0]
 
 
+_EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+
+
+def _from_8bit(node, depth: int = 6) -> bool:
+    """Whether ``node`` is computed (within a few ops) from 8-bit data: a
+    quantised weight's dequantisation."""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or d > depth:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n is not node and isinstance(val, torch.Tensor) and val.dtype in _EIGHT_BIT:
+            return True
+        todo += [(a, d + 1) for a in n.all_input_nodes]
+    return False
+
+
 def _base(node):
     while _is(node, *_VIEWS):
         node = node.args[0]
@@ -295,6 +314,10 @@ def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
         if found is None:
             continue
         (xg, wg), (xu, wu) = found
+        if any(_from_8bit(w) for w in (wg, wu, wd)):
+            # quantised weights: three matmuls, each dequantising its weight in
+            # LX (compiler/matmuls.py); the MLP program reads 16-bit weights
+            continue
         x = _base(xg)
         xv, wv = x.meta.get("val"), [w.meta.get("val") for w in (wg, wu, wd)]
         if not isinstance(xv, torch.Tensor) or any(not isinstance(w, torch.Tensor) for w in wv):

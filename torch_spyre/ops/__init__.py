@@ -17,6 +17,7 @@ def register() -> None:
         matmul,
         mlp,
         normalization,
+        quantized,
         reductions,
     )
 

@@ -58,7 +58,8 @@ def _rounder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float32 if dt in _HALF else dt
+    # 16-bit and 8-bit floats are computed in fp32 and rounded once
+    return torch.float32 if dt in _HALF or dt in layout_mod.FP8_DTYPES else dt
 
 
 def _held_dtype(operand: torch.dtype, buffer: torch.dtype) -> torch.dtype:
