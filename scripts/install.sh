@@ -33,8 +33,8 @@ TORCH_DEVICE_BACKEND_AUTOLOAD=0 \
   python -m pip install -q --disable-pip-version-check --no-build-isolation -e "$spec"
 
 # vllm==0.32.0, the newest release pinned to torch 2.13.0, has no wheel for this
-# setup: build it from the sdist with VLLM_TARGET_DEVICE=empty (pure Python, ~3-4
-# min, once) into a wheel cache that later runs (CI on the same machine) reuse.
+# setup: build it from the sdist with VLLM_TARGET_DEVICE=empty (pure Python, ~20 s,
+# once) into a wheel cache that later runs (CI on the same machine) reuse.
 # Installed with --no-deps (its metadata pins transformers<5.20; this project
 # pins 5.24.0), then its other dependencies under constraints that keep torch and
 # transformers where they are. Triton, pulled in by a dependency, is removed: the
@@ -50,15 +50,20 @@ install_vllm() {
     if [ ! -f "$wheel" ]; then
       mkdir -p "$cache"
       local tmp; tmp=$(mktemp -d)
-      # the sdist file itself: `pip download vllm==...` would build its metadata
-      # and reject the "+empty" version it reports
-      local url
-      url=$(curl -fsSL https://pypi.org/simple/vllm/ | grep -o "https://[^\"#]*/vllm-${version}.tar.gz" | head -1)
-      curl -fsSL -o "$tmp/vllm-${version}.tar.gz" "$url"
+      # the sdist through pip and the index it is configured with. Built for the
+      # empty target, vLLM's metadata says "${version}+empty", which pip rejects
+      # as not the version it fetched: VLLM_VERSION_OVERRIDE keeps the two equal
+      # while pip reads the metadata (the wheel below is built without it).
+      # --no-build-isolation: an isolated build would resolve another torch.
+      python -m pip install -q --disable-pip-version-check \
+        setuptools-rust "setuptools-scm>=8" jinja2 packaging
+      VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE="${version}" \
+        python -m pip download -q --disable-pip-version-check --no-deps \
+        --no-binary :all: --no-build-isolation "vllm==${version}" -d "$tmp"
       echo "$sha256  $tmp/vllm-${version}.tar.gz" | sha256sum -c --quiet
-      echo "building vllm ${version} (VLLM_TARGET_DEVICE=empty), once: a few minutes" >&2
+      echo "building vllm ${version} (VLLM_TARGET_DEVICE=empty), once" >&2
       VLLM_TARGET_DEVICE=empty python -m pip wheel -q --disable-pip-version-check --no-deps \
-        "$tmp/vllm-${version}.tar.gz" -w "$tmp/wheel"
+        --no-build-isolation "$tmp/vllm-${version}.tar.gz" -w "$tmp/wheel"
       mv "$tmp"/wheel/vllm-*.whl "$wheel"
       rm -rf "$tmp"
     fi

@@ -33,6 +33,10 @@ from torch_spyre.compiler import install as _install_compiler  # noqa: E402
 
 _install_compiler()  # torch.compile on spyre tensors: registered once Inductor loads
 
+from torch_spyre import compat as _compat  # noqa: E402
+
+_compat.install()  # IBM's public names (docs/compat.md)
+
 from torch_spyre.layout import SUPPORTED_DTYPES, SpyreTensorLayout  # noqa: E402
 from torch_spyre.runtime.fallback import (  # noqa: E402
     fallback_counts,

@@ -15,6 +15,7 @@ This module is the contract between the runtime (copies), the kernel program
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -22,6 +23,25 @@ from functools import cached_property, lru_cache
 import torch
 
 STICK_BYTES = 128
+
+
+def _fp16_format_from_env() -> str:
+    raw = os.environ.get("TORCH_SPYRE_FP16_FORMAT", "ieee").strip().lower()
+    if raw not in ("ieee", "dl16"):
+        raise ValueError(f"TORCH_SPYRE_FP16_FORMAT must be 'ieee' or 'dl16', got {raw!r}")
+    return raw
+
+
+#: How device memory encodes fp16 and bf16 values (process-wide, read at
+#: import from ``TORCH_SPYRE_FP16_FORMAT``): "ieee" keeps their own bits
+#: (bit-exact round trips), "dl16" stores the card's DL16 format
+#: (torch_spyre.dl16: the range of the real card, 9 fraction bits), as IBM's
+#: stack maps both to SEN169_FP16.  docs/hardware-model.md says when which.
+FP16_FORMAT = _fp16_format_from_env()
+_HALF = (torch.float16, torch.bfloat16)
+#: the 8-bit floats device memory stores (quantised data: no arithmetic on them
+#: outside the quantised kernels, torch_spyre/ops/quantized.py)
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: ``copy(src, dst) -> bool``: a faster ``dst.copy_(src)`` for a permuted view of
 #: device memory into a contiguous host tensor, or False where it does not
@@ -31,12 +51,16 @@ fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
 #: Host dtypes that device memory stores, and how.  Every one is stored
 #: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used
-#: by vector ops), the integer types (int64 keeps its full range: 16 per
-#: stick) and bool (one byte each).  Kernels decide how they compute on them.
+#: by vector ops), the 8-bit floats of quantised weights and activations
+#: (fp8 e4m3 and e5m2, IBM's SEN143_FP8 / SEN152_FP8, 128 per stick), the
+#: integer types (int64 keeps its full range: 16 per stick) and bool (one
+#: byte each).  Kernels decide how they compute on them.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
     torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
     torch.int8,
     torch.uint8,
     torch.int16,
@@ -68,12 +92,40 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SpyreTensorLayout:
+    """``SpyreTensorLayout(host_size, device_size, dim_map, dtype)``.
+
+    IBM's constructor forms are accepted too and mapped onto these fields by
+    ``torch_spyre.compat`` (docs/compat.md): ``SpyreTensorLayout(size, dtype)``,
+    ``SpyreTensorLayout(size, stride, dtype, dim_order)`` and
+    ``SpyreTensorLayout(device_size=..., stride_map=..., device_dtype=...)``.
+    """
+
     host_size: tuple[int, ...]
     device_size: tuple[int, ...]
     dim_map: tuple[int, ...]
     dtype: torch.dtype
+
+    def __init__(self, *args, **kwargs) -> None:
+        if len(args) == 4 and not kwargs and isinstance(args[3], torch.dtype):
+            host_size, device_size, dim_map, dtype = args
+        elif not args and kwargs.keys() == {"host_size", "device_size", "dim_map", "dtype"}:
+            host_size, device_size, dim_map, dtype = (
+                kwargs["host_size"],
+                kwargs["device_size"],
+                kwargs["dim_map"],
+                kwargs["dtype"],
+            )
+        else:
+            from torch_spyre import compat
+
+            host_size, device_size, dim_map, dtype = compat.layout_fields(*args, **kwargs)
+        object.__setattr__(self, "host_size", tuple(int(s) for s in host_size))
+        object.__setattr__(self, "device_size", tuple(int(s) for s in device_size))
+        object.__setattr__(self, "dim_map", tuple(int(d) for d in dim_map))
+        object.__setattr__(self, "dtype", dtype)
+        self.__post_init__()
 
     # ----------------------------------------------------------- construction
     @staticmethod
@@ -157,9 +209,23 @@ class SpyreTensorLayout:
 
     @cached_property
     def stride_map(self) -> tuple[int, ...]:
+        """Host-element stride of each device dim; -1 where it indexes nothing
+        (a synthetic dim, or a host dim of size 1), as in IBM's stack."""
         return tuple(
-            -1 if k < 0 else self.host_strides[k] * u for k, u in zip(self.dim_map, self.units)
+            -1 if k < 0 or self.host_size[k] == 1 else self.host_strides[k] * u
+            for k, u in zip(self.dim_map, self.units)
         )
+
+    def elems_per_stick(self) -> int:
+        """IBM's spelling of :attr:`stick_elems`."""
+        return self.stick_elems
+
+    @property
+    def device_dtype(self):
+        """IBM's name for how device memory stores the elements (a ``DataFormats``)."""
+        from torch_spyre import compat
+
+        return compat.get_device_dtype(self.dtype)
 
     @cached_property
     def device_strides(self) -> tuple[int, ...]:
@@ -188,10 +254,10 @@ class SpyreTensorLayout:
         return self.device_numel // self.stick_elems if self.device_size else 0
 
     def __repr__(self) -> str:
+        # IBM's repr, character for character (their "stride_map =" included)
         return (
-            f"SpyreTensorLayout(host_size={list(self.host_size)}, "
-            f"device_size={list(self.device_size)}, stride_map={list(self.stride_map)}, "
-            f"dtype={self.dtype})"
+            f"SpyreTensorLayout(device_size={list(self.device_size)}, "
+            f"stride_map ={list(self.stride_map)}, device_dtype={self.device_dtype})"
         )
 
     # ------------------------------------------------------------- conversion
@@ -235,6 +301,27 @@ class SpyreTensorLayout:
         """True when device memory holds padding (the stick dim is not whole sticks)."""
         return self._plan[0] != self.host_size
 
+    @property
+    def dl16(self) -> bool:
+        """True when device memory holds this layout's values as DL16 bits."""
+        return FP16_FORMAT == "dl16" and self.dtype in _HALF
+
+    def values(self, raw: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Host values (``dtype``, default the layout's) of raw device elements."""
+        if not self.dl16:
+            return raw if dtype is None else raw.to(dtype)
+        from torch_spyre import dl16
+
+        return dl16.decode(raw.view(torch.int16)).to(dtype or self.dtype)
+
+    def raw(self, values: torch.Tensor) -> torch.Tensor:
+        """Raw device elements (``dtype``-typed) holding ``values``."""
+        if not self.dl16:
+            return values.to(self.dtype)
+        from torch_spyre import dl16
+
+        return dl16.encode(values).view(self.dtype)
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host values (``host_size``) -> a new row-major ``device_size`` tensor.
 
@@ -245,7 +332,10 @@ class SpyreTensorLayout:
         if self._scalar_as_vector is not None:
             return self._scalar_as_vector.to_device(host.reshape(1))
         padded, split_sizes, perm, synthetic = self._plan
-        x = host.to(self.dtype)
+        if self.dl16:  # encode first: DL16 values past fp16's range stay finite
+            x = self.raw(host.to(torch.float32))
+        else:
+            x = host.to(self.dtype)
         if self.padded:
             out = torch.zeros(padded, dtype=self.dtype, device=host.device)
             out[tuple(slice(0, h) for h in self.host_size)] = x
@@ -265,7 +355,8 @@ class SpyreTensorLayout:
             return
         _, split_sizes, _, synthetic = self._plan
         dst = device.view(self.device_size).permute(self._inverse_perm)
-        dst.copy_(host.reshape(split_sizes + (1,) * len(synthetic)))
+        src = host.reshape(split_sizes + (1,) * len(synthetic))
+        dst.copy_(self.raw(src) if self.dl16 else src)
 
     def to_host(self, device: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A row-major ``device_size`` tensor -> a new contiguous host tensor (in
@@ -278,6 +369,19 @@ class SpyreTensorLayout:
             return self._scalar_as_vector.to_host(device, dtype).reshape(())
         padded, split_sizes, _, synthetic = self._plan
         x = device.reshape(self.device_size).permute(self._inverse_perm)
+        if self.dl16:  # the bits in host order, then their values
+            bits = torch.empty(x.shape, dtype=self.dtype)
+            if fast_copy is None or not fast_copy(x, bits):
+                bits.copy_(x)
+            from torch_spyre import dl16
+
+            out = dl16.decode(bits.view(torch.int16)).to(dtype or self.dtype)
+            out = out.view(padded)
+            if self.padded:
+                return out[tuple(slice(0, h) for h in self.host_size)].clone(
+                    memory_format=torch.contiguous_format
+                )
+            return out
         out = torch.empty(x.shape, dtype=dtype or self.dtype)
         if fast_copy is None or not fast_copy(x, out):
             out.copy_(x)

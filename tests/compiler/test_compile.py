@@ -282,6 +282,43 @@ def test_constant_fills_are_kernels():
     assert dispatch_stats.counts("fallback") == before
 
 
+def test_gather_by_a_device_index_runs_on_the_card():
+    # a paged-KV page read (spyre-inference's attention): index_select by a
+    # one-element device index, then a matmul with the page
+    def f(q, pages, table):
+        page = pages.index_select(0, table[1, 0:1]).squeeze(0)
+        return q @ page.transpose(0, 1)
+
+    q, pages = torch.randn(4, 64), torch.randn(6, 16, 64)
+    table = torch.zeros(2, 32, dtype=torch.int32)
+    table[1, 0] = 4
+    before = dict(dispatch_stats.counts("fallback"))
+    y = torch.compile(f, fullgraph=True, dynamic=False)(
+        q.to("spyre"), pages.to("spyre"), table.to("spyre")
+    )
+    torch.testing.assert_close(y.cpu(), f(q, pages, table), **tolerances(torch.float32))
+    assert dispatch_stats.counts("fallback") == before
+
+
+def test_rope_by_2x2_rotation_of_a_fused_qkv_compiles():
+    # IBM's RoPE (spyre-inference, hf-adapters): the halves of every head of a
+    # split QKV are read as every other block of sticks (a gap in the index)
+    def rotate(x, rot):
+        pairs = x.view(x.shape[0], -1, 2, 64)
+        return (rot.unsqueeze(1) * pairs.unsqueeze(-3)).sum(dim=-2).flatten(-2).view(x.shape)
+
+    def f(qkv, rot):
+        q, k, _ = qkv.split([256, 128, 128], dim=-1)
+        return rotate(q, rot), rotate(k.contiguous(), rot)
+
+    qkv, rot = torch.randn(5, 512, dtype=H), torch.randn(5, 2, 2, 64, dtype=H)
+    before = dict(dispatch_stats.counts("fallback"))
+    out = torch.compile(f, fullgraph=True, dynamic=False)(qkv.to("spyre"), rot.to("spyre"))
+    for got, want in zip(out, f(qkv.float(), rot.float())):
+        torch.testing.assert_close(got.cpu().float(), want, **tolerances(H))
+    assert dispatch_stats.counts("fallback") == before
+
+
 def test_kv_cache_update_in_place_runs_on_the_card():
     # a static KV cache: index_copy_ into a graph input (an indirect store, run by
     # the eager DMA kernel through spyre::index_put) and a kernel reading it after

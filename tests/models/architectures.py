@@ -118,7 +118,12 @@ ENCODERS: dict[str, Callable[[], t.PretrainedConfig]] = {
     "mpnet": lambda: t.MPNetConfig(**_ENC),
     # encoder-decoder: the whole model eagerly, the encoder compiled
     "t5": lambda: t.T5Config(
-        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        vocab_size=256,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
         decoder_start_token_id=0,
     ),  # fmt: skip
 }

@@ -91,6 +91,26 @@ def test_streams_and_events():
     assert start.elapsed_time(end) > 0  # modelled PCIe time of the two copies
 
 
+def test_stream_on_an_indexless_device_is_on_the_current_card():
+    s = torch.Stream(torch.device("spyre"))
+    assert s.device_index == torch.spyre.current_device()
+    with s:  # used to raise "spyre:-1 does not exist"
+        assert torch.accelerator.current_stream() == s
+    assert torch.accelerator.current_stream() != s
+    with torch.spyre.Stream(torch.device("spyre")) as t:
+        assert torch.spyre.current_stream() == t
+
+
+def test_current_and_default_stream_are_spyre_streams():
+    for s in (torch.spyre.current_stream(), torch.spyre.default_stream()):
+        assert type(s) is torch.spyre.Stream
+        assert s == torch.accelerator.current_stream()
+    n = torch.spyre.Stream()
+    with torch.spyre.stream(n):
+        assert type(torch.spyre.current_stream()) is torch.spyre.Stream
+        assert torch.spyre.current_stream() == n
+
+
 def test_autoload_through_torch_backends_entry_point(spyre_python):
     r = spyre_python(
         "import torch; x = torch.ones(3, device='spyre'); print(x.device, torch.spyre.device_count())"

@@ -83,3 +83,54 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_ref(tiny_llama_dir: str) -> torch.nn.Module:
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """Start `vllm serve` subprocesses: ``start(model, *args, env=...)`` returns
+    (base URL, its Popen, its log file); each is terminated after the module."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    procs = []
+
+    def start(model: str, *args: str, env: dict | None = None, timeout: float = 300):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log = tmp_path_factory.mktemp("serve") / "serve.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+               "--port", str(port), "--host", "127.0.0.1", *args]  # fmt: skip
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**full_env, **(env or {})}
+            )
+        procs.append(proc)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
+                    return base, proc, log
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(
+                    f"vllm serve did not come up in {timeout} s:\n{log.read_text()[-4000:]}"
+                )
+            time.sleep(1)
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -113,6 +113,8 @@ def test_layers_run_compiled_one_graph_per_bucket(tiny_llm, tiny_llama_ref, hf_g
     assert s0["compiled"] is not None, "TORCH_SPYRE_VLLM_COMPILE is on by default"
     buckets = s0["compiled"]["buckets"]
     assert buckets == [16, 32]  # max_num_batched_tokens=32
+    # warm before the first request: every bucket compiled at start-up, and the head
+    assert set(s0["compiled"]["compile_s"]) == set(buckets) and s0["head"]["graphs"] == 1
     k0 = _kernel_counts()
     outs = _generate(tiny_llm, prompts, 12)
     k1 = _kernel_counts()
@@ -176,22 +178,46 @@ def test_prefix_caching_gives_the_same_tokens(tiny_llm, tiny_llama_ref, hf_greed
         assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 5)
 
 
+@torch.no_grad()
+def _greedy_with_margins(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """CPU greedy tokens and, per step, the top-1 minus top-2 logit (fp32)."""
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, use_cache=True)
+    tokens, margins = [], []
+    for _ in range(n):
+        top = out.logits[0, -1].float().topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        out = model(
+            input_ids=top.indices[:1].view(1, 1), past_key_values=out.past_key_values,
+            use_cache=True,
+        )  # fmt: skip
+    return tokens, margins
+
+
 @pytest.mark.slow
-def test_smollm2_greedy_equals_cpu_on_five_prompts(hf_greedy):
+def test_smollm2_fp16_greedy_matches_cpu_on_five_prompts():
+    """fp16 on the card (the serving dtype) against fp32 on the CPU, by the
+    project's fp16 criteria (validation/thresholds.py): at least 4 of 5 prompts
+    identical over 16 tokens, and where one differs it is at a near-tie of the
+    CPU's own logits (top-1 - top-2 below the fp16 logit tolerance)."""
     from transformers import AutoModelForCausalLM
     from vllm import LLM, SamplingParams
 
     from torch_spyre.models.offline import folder
     from torch_spyre.validation import PROMPTS
+    from torch_spyre.validation.thresholds import thresholds_for
 
+    limits = thresholds_for("smollm2-135m-instruct", "causal-lm", "float16")
     path = str(folder("smollm2"))
     n = 16
     torch_spyre.reset_fallback_counts()
     llm = LLM(
         model=path,
-        dtype="float32",
+        dtype="float16",
         max_model_len=256,
         max_num_seqs=8,
+        max_num_batched_tokens=64,  # buckets 16, 32, 64: all compiled at start-up
         kv_cache_memory_bytes=64 << 20,
         seed=0,
     )
@@ -202,16 +228,24 @@ def test_smollm2_greedy_equals_cpu_on_five_prompts(hf_greedy):
         _close(llm)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert len(outs) == 5
+    identical = 0
     for o in outs:
-        assert list(o.outputs[0].token_ids) == hf_greedy(ref, list(o.prompt_token_ids), n), o.prompt
+        got = list(o.outputs[0].token_ids)
+        want, margins = _greedy_with_margins(ref, list(o.prompt_token_ids), n)
+        first = next((i for i in range(n) if got[i] != want[i]), None)
+        if first is None:
+            identical += 1
+        else:
+            assert margins[first] < limits.max_logit_diff, (o.prompt, first, margins[first])
+    assert identical / len(outs) >= limits.greedy_identical, identical
     assert state["weights"] == {"spyre"} and state["kv"] == {"spyre"}
     assert torch_spyre.fallback_counts() == {}
     assert state["steps"] >= n and state["modelled_s"] > 0
-    # compiled: prompts (34 tokens) in the 64 bucket, decodes (5 tokens) in the 16
-    # bucket; one graph each, every step through them; the LM head's own graph
+    # compiled: warm at start-up (every bucket), prompts (34 tokens) in the 64 bucket,
+    # decodes (5 tokens) in the 16 bucket; one graph each; the LM head's own graph
     c = state["compiled"]
     assert c["calls"].get(16, 0) >= n - 1 and sum(c["calls"].values()) == state["steps"]
-    assert c["graphs"] == len(c["compile_s"]) == len(c["calls"]) <= 2
+    assert c["graphs"] == len(c["compile_s"]) == 3
     assert state["head"]["graphs"] == 1
 
 

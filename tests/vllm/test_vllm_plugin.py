@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from importlib.metadata import entry_points
 
@@ -35,6 +36,37 @@ def test_platform_is_spyre_and_can_be_switched_off(monkeypatch):
     assert plugin.register() == plugin.PLATFORM_QUALNAME
     monkeypatch.setenv("TORCH_SPYRE_VLLM", "0")
     assert plugin.register() is None
+
+
+def test_plugin_stands_down_for_ibms_when_it_is_selected(monkeypatch, caplog):
+    import importlib.metadata
+    from importlib.metadata import EntryPoint
+
+    ibm = EntryPoint("spyre_inference", "spyre_inference:register", "vllm.platform_plugins")
+    real = importlib.metadata.entry_points
+
+    def with_ibm(**kw):
+        eps = real(**kw)
+        if kw.get("group") == "vllm.platform_plugins":
+            return importlib.metadata.EntryPoints([*eps, ibm])
+        return eps
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert plugin.register() == plugin.PLATFORM_QUALNAME  # IBM's is not installed here
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_ibm)
+    # vLLM's "vllm" logger does not propagate to the root, where caplog listens
+    logger = logging.getLogger("vllm.torch_spyre")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger="vllm.torch_spyre"):
+            assert plugin.register() is None
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "stands down" in caplog.text and "spyre_inference" in caplog.text
+    monkeypatch.setenv("VLLM_PLUGINS", "spyre_inference,spyre")
+    assert plugin.register() is None
+    monkeypatch.setenv("VLLM_PLUGINS", "spyre,spyre_layers")
+    assert plugin.register() == plugin.PLATFORM_QUALNAME
 
 
 def test_slot_mapping_matches_a_loop():
@@ -104,12 +136,12 @@ def test_paged_attention_matches_a_dense_reference(attention):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("what", ["alibi_slopes", "sliding_window"])
+@pytest.mark.parametrize("what", ["alibi_slopes", "kv_cache_dtype"])
 def test_unsupported_attention_features_are_named(attention, what):
-    kwargs = {"alibi_slopes": None, "sliding_window": None}
-    kwargs[what] = [1.0] if what == "alibi_slopes" else 8
+    kwargs = {"alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto"}
+    kwargs[what] = [1.0] if what == "alibi_slopes" else "fp8"
     with pytest.raises(NotImplementedError, match=what):
-        attention.SpyreAttentionImpl(4, 16, 0.25, 2, kv_cache_dtype="auto", **kwargs)
+        attention.SpyreAttentionImpl(4, 16, 0.25, 2, **kwargs)
 
 
 def test_token_buckets(monkeypatch):

@@ -39,7 +39,7 @@ import sympy
 import torch
 
 from torch_spyre.compiler import lanes, pieces, trig
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -235,14 +235,32 @@ def _decompose(index, sizes, strides, offset, ranges: dict[str, int], what: str)
     for j, (sz, st) in enumerate(zip(sizes, strides)):
         vs = sorted(per_dim[j], key=lambda n: -coeff[n])
         expect = st
+        pieces: list[str] = []
         for n in reversed(vs):
             if coeff[n] != expect:
-                raise Unsupported(f"{what}: index {index} mixes dims of the buffer")
+                # a gap between two variables (x[t, h, 0, :] of a [t, h*2*64] buffer:
+                # every other block of sticks): a ghost piece read at one position
+                if not pieces or coeff[n] % expect:
+                    raise Unsupported(f"{what}: index {index} mixes dims of the buffer")
+                pieces.append(ghost(coeff[n] // expect))
+                expect = coeff[n]
+            pieces.append(n)
             expect *= ranges[n]
-        if offsets[j] + expect // st > max(sz, 1):
+        vs = pieces[::-1]
+        last = offsets[j] + sum((ranges[n] - 1) * coeff[n] // st for n in vs if not is_ghost(n))
+        if last >= max(sz, 1):
             raise Unsupported(f"{what}: index {index} reads past dim {j} of the buffer")
         out.append(vs)
     return out, offsets
+
+
+def ghost(n: int) -> str:
+    """A piece of a buffer dim that a load skips over (read at one position)."""
+    return f"~{n}"
+
+
+def is_ghost(v: str) -> bool:
+    return v.startswith("~")
 
 
 def view_layout(size, dtype, factors, offsets=None):
@@ -328,7 +346,7 @@ def _stored_layout(buffer: str) -> SpyreTensorLayout | None:
     return layouts.layout_of(buffer)
 
 
-def strided_view(size, dtype, factors, offsets):
+def strided_view(size, dtype, factors, offsets, ghosts=None):
     """A view that is *not* one contiguous block (a slice of an inner dim:
     the first n positions of every head of a KV cache): the whole buffer as
     the operand, read by a load from per-dim offsets (``Load.offsets``).
@@ -343,15 +361,29 @@ def strided_view(size, dtype, factors, offsets):
     for j, f in enumerate(factors):
         f = list(f) or [1]
         inner = math.prod(f[1:])
-        if size[j] % inner or offsets[j] % inner:
+        if size[j] % inner:
             raise Unsupported(f"a reshape of a {list(size)} buffer that does not divide dim {j}")
-        if j == len(size) - 1 and len(f) == 1 and offsets[j] % se:
+        pieces = [size[j] // inner] + f[1:]
+        # the dim's element offset in the pieces' mixed radix; only the outer
+        # piece and ghost pieces (ghosts=1-based positions in `ghosts[j]`) start
+        # anywhere but 0
+        rem, piece_offs = offsets[j], []
+        for p in reversed(pieces[1:]):
+            rem, o = divmod(rem, p)
+            piece_offs.append(o)
+        piece_offs = [rem] + piece_offs[::-1]
+        free = set(ghosts[j]) if ghosts else set()
+        if any(o and i and i not in free for i, o in enumerate(piece_offs)):
+            raise Unsupported(
+                f"a read of a {list(size)} buffer from element {offsets[j]} of dim {j}"
+            )
+        if j == len(size) - 1 and piece_offs[-1] % se:
             raise Unsupported(
                 f"a slice from element {offsets[j]} of the stick dim of a {list(size)} "
                 f"buffer (not whole sticks of {se}: a DMA cannot shift lanes)"
             )
-        whole.append([size[j] // inner] + f[1:])
-        offs.extend([offsets[j] // inner] + [0] * (len(f) - 1))
+        whole.append(pieces)
+        offs.extend(piece_offs)
     lay, start = view_layout(size, dtype, whole)
     assert start == 0
     return lay, tuple(offs)
@@ -469,8 +501,12 @@ class ProgramBuilder:
             return (1,), (1,), offset, dtype
         return size, stride, offset, dtype
 
+    def _size(self, v: str) -> int:
+        return int(v[1:]) if is_ghost(v) else self.ranges[v]
+
     def _operand(self, buffer: str, role: str, factors, offsets, size, dtype) -> OperandUse:
-        shape_f = [[self.ranges[v] for v in f] for f in factors]
+        shape_f = [[self._size(v) for v in f] for f in factors]
+        ghosts = [[i for i, v in enumerate(f) if is_ghost(v)] for f in factors]
         key = (buffer, role, tuple(tuple(f) for f in shape_f), tuple(offsets))
         use = self.operands.get(key)
         if use is None:
@@ -485,11 +521,13 @@ class ProgramBuilder:
                 lay, start = stored, 0
             else:
                 try:
+                    if any(ghosts):  # pieces read at one position: a sub-block read
+                        raise Unsupported(f"a strided read of {buffer}")
                     lay, start = view_layout(tuple(size), dtype, shape_f, offsets)
                 except Unsupported:
                     if role != "input":
                         raise
-                    lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets)
+                    lay, load_offsets = strided_view(tuple(size), dtype, shape_f, offsets, ghosts)
                     start = 0
             if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
                 raise Unsupported(f"a store into part of {buffer}")
@@ -504,7 +542,7 @@ class ProgramBuilder:
     def _index(factors) -> tuple[str | None, ...]:
         idx: list[str | None] = []
         for f in factors:
-            idx.extend(f if f else [None])
+            idx.extend([None if is_ghost(v) else v for v in f] if f else [None])
         return tuple(idx)
 
     def _vec(self, op: str, inputs: list[Val], scalars=(), dtype=torch.float32) -> Val:
@@ -567,7 +605,7 @@ class ProgramBuilder:
                 return self._gather(name, rest, terms, offs[-1], size, stride, offset, dtype, se)
         if name in self.produced:
             val, pf = self.produced[name]
-            if any(offs):
+            if any(offs) or any(is_ghost(v) for f in factors for v in f):
                 raise Unsupported(f"{name} is read in part after it was written")
             for a, b in zip(pf, factors):
                 if [self.ranges[v] for v in a] != [self.ranges[v] for v in b]:
@@ -712,6 +750,8 @@ class ProgramBuilder:
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
         factors, offs = _decompose(index, size, stride, offset, self.ranges, f"store of {name}")
+        if any(is_ghost(v) for f in factors for v in f):
+            raise Unsupported(f"a strided store into {name}")
         if isinstance(value, Scal):  # a fill: the constant, broadcast below
             value = self._materialise(value)
         idx_dims = {self.uf.find(v) for f in factors for v in f}
@@ -773,7 +813,10 @@ class ProgramBuilder:
 
     def matmul(self, a: Val, b: Val, kvars: list[str]) -> Val:
         """A PE-array contraction of ``a`` and ``b`` over ``kvars`` (fp32 accumulation)."""
-        dims = (a.dims | b.dims) - set(kvars)
+        # contracted: the k variables and any unified with them (an operand
+        # computed in this group, a weight's prologue, has its own names)
+        ks = {self.uf.find(k) for k in kvars}
+        dims = frozenset(d for d in a.dims | b.dims if self.uf.find(d) not in ks)
         out = self._buf(dims, torch.float32)
         self.steps.append(Matmul(out, a.buf, b.buf))
         self.reduced.update(kvars)
@@ -845,6 +888,15 @@ class ProgramBuilder:
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
         if isinstance(x, Scal):
             return Scal(x.value, dtype)
+        if dtype in FP8_DTYPES:
+            # an 8-bit float is data, not a compute type: the conversion rounds
+            # (the vector unit's fp16 -> fp8 conversion, from a 16-bit value:
+            # a 16-bit source is rounded to it first, as the graph says)
+            if x.dtype in FP8_DTYPES:
+                return x if x.dtype == dtype else self._vec("copy", [x], (), dtype)
+            if src_dtype in (torch.float16, torch.bfloat16) and x.dtype == torch.float32:
+                x = self._vec("copy", [x], (), src_dtype)
+            return self._vec("copy", [x], (), dtype)
         want = _lx_dtype(dtype)
         if want == x.dtype:
             return x
@@ -1208,11 +1260,38 @@ def _matmul_split(
         tiles[d] = 1 if tk < sizes[inner_k] else max(1, tk // sizes[inner_k])
     others = [d for d in sorted(sizes, key=_dkey) if d not in (*batch, *rows, nd, *kd)]
     loops = tuple(batch + rows + [nd] + [d for d in others if d not in reduced] + kd)
+    steps = _prologue_first(steps, mm, set(kd), buffers)
     mm_bufs = {mm.a, mm.b}
+    kset = set(kd)
     mm_steps = {
-        i for i, s in enumerate(steps) if s is mm or (isinstance(s, Load) and s.buffer in mm_bufs)
+        i
+        for i, s in enumerate(steps)
+        if s is mm
+        or (isinstance(s, Load) and s.buffer in mm_bufs)
+        # a weight's prologue (its dequantisation): whatever works on k tiles
+        or (isinstance(s, Load | Vector) and kset & set(buffers[step_writes(s)].dims))
     }
     return split, tiles, loops, mm_steps, steps
+
+
+def _prologue_first(steps, mm, kd: set[str], buffers):
+    """Steps before the matmul that do not work on k tiles (a weight scale's
+    load) moved ahead of those that do, so the k loop is one loop."""
+    at = steps.index(mm)
+    before = steps[:at]
+
+    def on_k(s) -> bool:
+        w = step_writes(s)
+        return w is not None and bool(kd & set(buffers[w].dims))
+
+    outer = [s for s in before if not on_k(s)]
+    if not outer or len(outer) == len(before):
+        return steps
+    k_written = {step_writes(s) for s in before if s not in outer}
+    if any(r in k_written for s in outer for r in step_reads(s)):
+        return steps  # an outer step reads a k tile: keep the program order
+    inner = [s for s in before if s not in outer]
+    return [*outer, *inner, *steps[at:]]
 
 
 def _stream_rows(steps, buffers, reduced) -> set[int] | None:
@@ -1679,6 +1758,7 @@ def _fit(
                 st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
             else:
                 st.append(replace(s, loops=lp))
+        st = _hoist_short_loads(st)
         return Program(
             name=name,
             dims=dims,
@@ -1742,6 +1822,29 @@ def _fit(
                 prog = _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget)
     prog.validate(cfg)
     return prog
+
+
+def _hoist_short_loads(steps: list) -> list:
+    """An input loaded in fewer loops than the steps after it (an epilogue's
+    per-row scale, [M, 1], read outside the column loop) is loaded before the
+    first step that opens those loops, so the loop nest stays one nest (a
+    load between two steps of a loop would close it and open a second one)."""
+    out = list(steps)
+    i = 0
+    while i < len(out):
+        s = out[i]
+        if isinstance(s, Load) and i > 0:
+            n = len(s.loops)
+            prev = out[i - 1].loops
+            later = any(len(t.loops) > n and t.loops[:n] == s.loops for t in out[i + 1 :])
+            if len(prev) > n and prev[:n] == s.loops and later:
+                # the first step of the run of deeper steps just before it
+                j = i - 1
+                while j > 0 and len(out[j - 1].loops) > n and out[j - 1].loops[:n] == s.loops:
+                    j -= 1
+                out.insert(j, out.pop(i))
+        i += 1
+    return out
 
 
 def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget) -> Program:

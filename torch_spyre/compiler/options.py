@@ -51,6 +51,17 @@ def current() -> PlanningOptions:
     return _current
 
 
+def configure(**changes) -> PlanningOptions:
+    """Change the process-wide planning options (``planning()`` for a scope)."""
+    global _current
+    from dataclasses import replace
+
+    if changes.get("cores") is not None and changes["cores"] < 1:
+        raise ValueError(f"configure(cores=...) needs at least one core, got {changes['cores']}")
+    _current = replace(_current, **changes)
+    return _current
+
+
 @contextlib.contextmanager
 def planning(
     naive: bool = False, cores: int | None = None, fusion: bool = True, lx_bytes: int | None = None

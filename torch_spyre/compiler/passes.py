@@ -12,10 +12,11 @@ the card: counted as ``kernel``, never a host fallback):
   indirect store, likewise run by the eager device kernel (a DMA program);
 * ``aten.gather`` (BERT's token-type ids read through the position ids): an
   index read from data, the eager device gather (a DMA program);
-* ``aten.roll`` and ``aten.index`` with an index that is not an affine
-  function of iotas (a full sliding-window cache shifted each decode step:
-  ``(i + 1) % n``; indices read from data): the eager device kernels (DMA
-  programs).
+* ``aten.roll`` and ``aten.index`` with integer indices that are not an
+  affine function of iotas (a full sliding-window cache shifted each decode
+  step: ``(i + 1) % n``; ``index_select``; a paged-KV page read by a device
+  index): the eager device kernels (DMA programs).  An index computed from
+  iotas alone is planned as an index expression.
 
 fuses what one kernel program does better than Inductor's groups:
 
@@ -93,13 +94,14 @@ def _(x, shifts, dims):
 
 @torch.library.custom_op("spyre::index", mutates_args=())
 def index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
-    """``x[indices]`` (advanced indexing) by the device's eager kernel (a DMA program)."""
+    """``x[indices]`` with integer index tensors (a gather: ``index_select``, a
+    page read by a device index) by the device's eager kernel."""
     return torch.ops.aten.index.Tensor(x, indices)
 
 
 @index.register_fake
 def _(x, indices):
-    return torch.ops.aten.index.Tensor(x, indices)
+    return torch.ops.aten.index.Tensor(x, indices)  # integer indices: shapes only
 
 
 #: ops whose result is an affine function of iotas and constants when their inputs are
@@ -128,7 +130,14 @@ def _affine_index(node, depth: int = 0) -> bool:
 
 
 def _route_index(n: torch.fx.Node):
+    """aten.index.Tensor with integer indices (a boolean mask's output size
+    depends on its values: Inductor keeps those), not all affine in iotas."""
     x, indices = n.args[0], n.args[1]
+    for i in indices:
+        val = i.meta.get("val") if isinstance(i, torch.fx.Node) else None
+        if i is not None and not (isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
+                                  and val.dtype is not torch.bool):  # fmt: skip
+            return None
     if all(i is None or _affine_index(i) for i in indices):
         return None
     return torch.ops.spyre.index.default, (x, indices)
@@ -454,6 +463,25 @@ def _linear_of(node, seen: list):
     return x, wt.args[0]
 
 
+_EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+
+
+def _from_8bit(node, depth: int = 6) -> bool:
+    """Whether ``node`` is computed (within a few ops) from 8-bit data: a
+    quantised weight's dequantisation."""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or d > depth:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n is not node and isinstance(val, torch.Tensor) and val.dtype in _EIGHT_BIT:
+            return True
+        todo += [(a, d + 1) for a in n.all_input_nodes]
+    return False
+
+
 def _base(node):
     while _is(node, *_VIEWS):
         node = node.args[0]
@@ -506,6 +534,10 @@ def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
         if found is None:
             continue
         (xg, wg), (xu, wu) = found
+        if any(_from_8bit(w) for w in (wg, wu, wd)):
+            # quantised weights: three matmuls, each dequantising its weight in
+            # LX (compiler/matmuls.py); the MLP program reads 16-bit weights
+            continue
         x = _base(xg)
         xv, wv = x.meta.get("val"), [w.meta.get("val") for w in (wg, wu, wd)]
         if not isinstance(xv, torch.Tensor) or any(not isinstance(w, torch.Tensor) for w in wv):

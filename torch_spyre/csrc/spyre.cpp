@@ -59,6 +59,7 @@ struct Layout {  // stick layout of a storage made by empty (see layout.py)
   std::vector<int64_t> device_size;
   std::vector<int64_t> dim_map;
   c10::ScalarType dtype;
+  bool custom = false;  // not the default layout of host_size (device_layout=)
 };
 
 struct Block {
@@ -345,13 +346,15 @@ static void check_dtype(c10::ScalarType dtype) {
   switch (dtype) {
     case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kChar: case at::kByte:
     case at::kShort: case at::kInt: case at::kLong: case at::kBool:
+    case at::kFloat8_e4m3fn: case at::kFloat8_e5m2:
       return;
     default:
       break;
   }
   C10_THROW_ERROR(TypeError, std::string("spyre does not store ") + c10::toString(dtype) +
-                                 "; supported dtypes are float16, bfloat16, float32, int8, "
-                                 "uint8, int16, int32, int64, bool. Cast first, e.g. "
+                                 "; supported dtypes are float16, bfloat16, float32, "
+                                 "float8_e4m3fn, float8_e5m2, int8, uint8, int16, int32, int64, "
+                                 "bool. Cast first, e.g. "
                                  "tensor.to(torch.float32) or tensor.to(torch.float16).");
 }
 
@@ -622,22 +625,32 @@ struct SpyreGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(c10::Device d) const noexcept override {
     if (d.index() >= 0 && d.index() < g_num_cards) t_current_device = d.index();
   }
+  // A device without an index (torch.Stream(torch.device("spyre"))) means the
+  // current card, as it does for tensors.
+  static c10::Device resolved(c10::Device d) {
+    if (d.has_index()) return d;
+    return c10::Device(static_type, static_cast<c10::DeviceIndex>(t_current_device));
+  }
   c10::Stream getStream(c10::Device d) const noexcept override {
-    int idx = d.has_index() ? d.index() : t_current_device;
-    return c10::Stream(c10::Stream::UNSAFE, c10::Device(static_type, idx), t_current_stream[idx]);
+    auto r = resolved(d);
+    return c10::Stream(c10::Stream::UNSAFE, r, t_current_stream[r.index()]);
   }
   c10::Stream getDefaultStream(c10::Device d) const override {
-    return c10::Stream(c10::Stream::DEFAULT, d);
+    return c10::Stream(c10::Stream::DEFAULT, resolved(d));
   }
   c10::Stream getNewStream(c10::Device d, int priority = 0) const override {
-    return c10::Stream(c10::Stream::UNSAFE, d, g_next_stream_id.fetch_add(1));
+    auto r = resolved(d);
+    check_device(r.index());
+    return c10::Stream(c10::Stream::UNSAFE, r, g_next_stream_id.fetch_add(1));
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool = false) const override {
     return getNewStream(d);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
-    int idx = s.device_index();
-    auto old = c10::Stream(c10::Stream::UNSAFE, s.device(), t_current_stream[idx]);
+    auto r = resolved(s.device());
+    int idx = r.index();
+    if (idx < 0 || idx >= g_num_cards) return s;
+    auto old = c10::Stream(c10::Stream::UNSAFE, r, t_current_stream[idx]);
     t_current_stream[idx] = s.id();
     return old;
   }
@@ -819,6 +832,26 @@ static at::Tensor device_tensor(const at::Tensor& t, c10::ScalarType dtype,
       ptr, sizes, [keep](void*) { delete keep; }, at::TensorOptions().dtype(dtype));
 }
 
+// A contiguous tensor of `size` whose storage holds the stick layout
+// (host_size, device_size, dim_map) of `like`'s dtype: IBM's device_layout=
+// (torch_spyre/compat.py checks that host_size has as many elements as size).
+static at::Tensor empty_in_layout(std::vector<int64_t> size, std::vector<int64_t> host_size,
+                                  std::vector<int64_t> device_size, std::vector<int64_t> dim_map,
+                                  const at::Tensor& like, int device) {
+  auto dtype = like.scalar_type();
+  check_dtype(dtype);
+  check_device(device);
+  for (auto s : size) TORCH_CHECK(s >= 0, "negative dimension ", s, " in size ", size);
+  Layout l{std::move(host_size), std::move(device_size), std::move(dim_map), dtype};
+  auto d = default_layout(l.host_size, dtype);
+  l.custom = d.device_size != l.device_size || d.dim_map != l.dim_map;
+  auto nbytes = at::detail::computeStorageNbytesContiguous(size, c10::elementSize(dtype));
+  TORCH_CHECK(static_cast<int64_t>(nbytes) <= layout_nbytes(l), "a layout of ",
+              layout_nbytes(l), " device bytes cannot hold a tensor of size ", size);
+  return empty_with_layout(std::move(l), size, host_strides(size), device,
+                           static_cast<int64_t>(nbytes));
+}
+
 // (id, base address) of the device block holding address `addr`, or (-1, 0).
 // The simulator keys its host-side views of device memory by block id
 // (torch_spyre/sim/hostviews.py): an id is never reused, so a view of a
@@ -858,7 +891,9 @@ static py::object whole_operand(const at::Tensor& t) {
     auto it = g_layouts.find(ptr);
     if (it == g_layouts.end()) return py::none();
     const auto& l = it->second;
-    if (l.dtype != t.scalar_type() || l.host_size != t.sizes().vec()) return py::none();
+    if (l.custom || l.dtype != t.scalar_type() || l.host_size != t.sizes().vec()) {
+      return py::none();
+    }
     device_size = l.device_size;
     dtype = l.dtype;
   }
@@ -1002,6 +1037,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_device_bytes", &spyre::device_bytes);
   m.def("_device_tensor", &spyre::device_tensor);
+  m.def("_empty_in_layout", &spyre::empty_in_layout);
   m.def("_advance_clock", &spyre::advance_clock);
   m.def("_block_of", &spyre::block_of);
   m.def("_whole_operand", &spyre::whole_operand);

@@ -24,7 +24,7 @@ import torch
 import transformers
 from torch import nn
 
-from torch_spyre.models import offline
+from torch_spyre.models import offline, quantized
 from torch_spyre.models.attention import attention_variants
 from torch_spyre.models.moe import moe_experts
 from torch_spyre.models.patches import Patch, chunk_lm_head, sdpa_attention, tabulate_rotary
@@ -146,6 +146,10 @@ def prepare(
     import torch_spyre  # noqa: F401  (registers the device)
 
     opts = PrepareOptions(device, dtype, compile, max_positions, max_linear_bytes)
+    # a compressed-tensors checkpoint keeps its 8-bit weights (models/quantized.py)
+    n_quantized = quantized.from_compressed_tensors(model)
+    if n_quantized:
+        opts.applied.append(f"compressed-tensors: {n_quantized} linear layers kept 8-bit")
     cfg = model.config
     adapter = adapter_for(cfg)
     if adapter is None:

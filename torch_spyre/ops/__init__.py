@@ -20,6 +20,7 @@ def register() -> None:
         mlp,
         moe,
         normalization,
+        quantized,
         reductions,
         ssm,
     )

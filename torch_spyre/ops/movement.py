@@ -47,6 +47,27 @@ MOVEMENT = {
 _names: dict = {}
 
 
+def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
+    """Bytes an in-place row scatter writes: its source, not the whole destination
+    it returns (a KV-cache update moves the new keys, not the cache).  None for
+    every other op: the DMA program moves its whole output."""
+    if name in ("index_copy_.default", "index_copy.out"):
+        x, source = args[0], args[3]
+        if name == "index_copy.out" and kwargs.get("out") is not x:
+            return None
+        return source.numel() * x.element_size()
+    if name in ("_index_put_impl_.default", "index_put_.default"):
+        x, indices = args[0], args[1]
+        meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        idx = [None if i is None else torch.empty(i.shape, dtype=i.dtype, device="meta")
+               for i in indices]  # fmt: skip
+        try:
+            return meta[tuple(idx)].numel() * x.element_size()
+        except (IndexError, RuntimeError):
+            return None
+    return None
+
+
 def run(op, args: tuple, kwargs: dict):
     name = _names.get(op)
     if name is None:
@@ -58,7 +79,9 @@ def run(op, args: tuple, kwargs: dict):
     moved = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if not moved:
         return out
-    nbytes = sum(t.numel() * t.element_size() for t in moved)
+    nbytes = _scattered_bytes(name, args, kwargs)
+    if nbytes is None:
+        nbytes = sum(t.numel() * t.element_size() for t in moved)
     device = moved[0].device.index
     if nbytes:
         base = op._schema.name.split("::")[-1]

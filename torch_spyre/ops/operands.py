@@ -26,7 +26,10 @@ def _whole_layout(t: torch.Tensor) -> SpyreTensorLayout | None:
         return None
     lay = access.storage_layout(t)
     if lay.dtype == t.dtype and lay.host_size == tuple(t.shape):
-        return lay
+        # a storage allocated in another layout (device_layout=) is no default operand
+        default = SpyreTensorLayout.default(lay.host_size, lay.dtype)
+        if lay.dim_map == default.dim_map and lay.device_size == default.device_size:
+            return lay
     return None
 
 
@@ -67,7 +70,7 @@ def relaid(t: torch.Tensor) -> torch.Tensor:
     """A fresh default-layout copy of ``t`` made on the card (a restickify DMA)."""
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     if t.numel():
-        access.write(out, access.read(t))
+        access.write(out, access.read(t, device_values=True), device_values=True)
         cards.record_transfer(t.device.index, "d2d", access.device_nbytes(out))
     return out
 

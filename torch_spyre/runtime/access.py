@@ -26,6 +26,8 @@ _DTYPES = {
     "Half": torch.float16,
     "BFloat16": torch.bfloat16,
     "Float": torch.float32,
+    "Float8_e4m3fn": torch.float8_e4m3fn,
+    "Float8_e5m2": torch.float8_e5m2,
     "Char": torch.int8,
     "Byte": torch.uint8,
     "Short": torch.int16,
@@ -115,28 +117,40 @@ def _byte_view(base_bytes: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-def read(t: torch.Tensor) -> torch.Tensor:
-    """The values of spyre tensor ``t`` as a new contiguous CPU tensor."""
+def read(t: torch.Tensor, device_values: bool = False) -> torch.Tensor:
+    """The values of spyre tensor ``t`` as a new contiguous CPU tensor.
+
+    ``device_values``: as the card holds them, for moves within the card (a
+    DL16 card's 16-bit floats then come back in fp32: fp16 cannot hold their
+    range); otherwise in ``t.dtype``, as a copy to the host gives them.
+    """
     if t.numel() == 0:
         return torch.empty(t.shape, dtype=t.dtype)
     layout = storage_layout(t)
+    wide = torch.float32 if device_values and layout.dl16 and t.dtype == layout.dtype else None
     if _covers_base(t, layout):
-        return layout.to_host(device_tensor(t, layout))
+        return layout.to_host(device_tensor(t, layout), wide)
     if t.dtype == layout.dtype and t.numel() < _GATHER_FRACTION * layout.numel:
         offsets = layout.device_offsets(_host_offsets(t))
-        return device_tensor(t, layout).reshape(-1)[offsets].view(t.shape)
+        raw = device_tensor(t, layout).reshape(-1)[offsets].view(t.shape)
+        return layout.values(raw, wide)
     if t.dtype == layout.dtype:
-        base = layout.to_host(device_tensor(t, layout)).reshape(-1)
+        base = layout.to_host(device_tensor(t, layout), wide).reshape(-1)
         return base.as_strided(t.shape, t.stride(), t.storage_offset()).contiguous()
     return _byte_view(_logical_base(t, layout), t).contiguous()
 
 
-def write(t: torch.Tensor, values: torch.Tensor) -> None:
-    """Store CPU ``values`` (broadcast to ``t``'s shape, cast) into spyre tensor ``t``."""
+def write(t: torch.Tensor, values: torch.Tensor, device_values: bool = False) -> None:
+    """Store CPU ``values`` (broadcast to ``t``'s shape, cast) into spyre tensor ``t``.
+
+    ``device_values``: ``values`` are as ``read(..., device_values=True)`` gives
+    them (not first rounded to ``t.dtype``).
+    """
     if t.numel() == 0:
         return
-    values = values.to(dtype=t.dtype).expand(t.shape)
     layout = storage_layout(t)
+    keep = device_values and layout.dl16 and values.dtype == torch.float32
+    values = values.to(dtype=torch.float32 if keep else t.dtype).expand(t.shape)
     dev = device_tensor(t, layout)
     try:
         _write(t, values, layout, dev)
@@ -150,10 +164,11 @@ def _write(t: torch.Tensor, values: torch.Tensor, layout: SpyreTensorLayout, dev
         return
     if t.dtype == layout.dtype and t.numel() < _GATHER_FRACTION * layout.numel:
         offsets = layout.device_offsets(_host_offsets(t))
-        dev.reshape(-1)[offsets] = values.reshape(-1)
+        dev.reshape(-1)[offsets] = layout.raw(values.reshape(-1))
         return
     if t.dtype == layout.dtype:
-        base = layout.to_host(dev)
+        # the rest of the base keeps its device values (a DL16 card's range)
+        base = layout.to_host(dev, torch.float32 if layout.dl16 else None)
         base.reshape(-1).as_strided(t.shape, t.stride(), t.storage_offset()).copy_(values)
         layout.store(dev, base)
         return
@@ -171,7 +186,7 @@ def read_elements(t: torch.Tensor, offsets: torch.Tensor, device: bool = False) 
     layout = storage_layout(t)
     if not device:
         offsets = layout.device_offsets(offsets.reshape(-1)).view(offsets.shape)
-    return device_tensor(t, layout).reshape(-1)[offsets]
+    return layout.values(device_tensor(t, layout).reshape(-1)[offsets])
 
 
 def write_elements(
@@ -184,7 +199,7 @@ def write_elements(
         offsets = layout.device_offsets(offsets.reshape(-1)).view(offsets.shape)
     dev = device_tensor(t, layout)
     try:
-        dev.reshape(-1)[offsets] = values.to(layout.dtype)
+        dev.reshape(-1)[offsets] = layout.raw(values)
     finally:
         VIEWS.written(dev)
 

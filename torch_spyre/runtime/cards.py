@@ -17,7 +17,9 @@ MAX_CARDS = 8
 
 
 def configured_num_cards() -> int:
-    raw = os.environ.get("TORCH_SPYRE_NUM_CARDS", "1")
+    """TORCH_SPYRE_NUM_CARDS, else AIU_WORLD_SIZE (the cards IBM's runtime makes
+    visible; torch_spyre.compat exports it back, so the two always agree), else 1."""
+    raw = os.environ.get("TORCH_SPYRE_NUM_CARDS") or os.environ.get("AIU_WORLD_SIZE") or "1"
     try:
         n = int(raw)
     except ValueError:

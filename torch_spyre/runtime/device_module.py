@@ -232,13 +232,19 @@ def Event(enable_timing: bool = False, blocking: bool = False, interprocess: boo
     )
 
 
-def current_stream(device: DeviceLike = None) -> torch.Stream:
-    return torch.accelerator.current_stream(torch.device("spyre", _checked(device)))
+def _as_spyre_stream(s: torch.Stream) -> Stream:
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
 
-def default_stream(device: DeviceLike = None) -> torch.Stream:
-    idx = _checked(device)
-    return torch.Stream(stream_id=0, device_index=idx, device_type=torch.device("spyre").type)
+def current_stream(device: DeviceLike = None) -> Stream:
+    return _as_spyre_stream(
+        torch.accelerator.current_stream(torch.device("spyre", _checked(device)))
+    )
+
+
+def default_stream(device: DeviceLike = None) -> Stream:
+    current = torch.accelerator.current_stream(torch.device("spyre", _checked(device)))
+    return Stream(stream_id=0, device_index=current.device_index, device_type=current.device_type)
 
 
 def set_stream(stream: torch.Stream) -> None:

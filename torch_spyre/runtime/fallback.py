@@ -67,6 +67,17 @@ def reset_fallback_counts() -> None:
     _warned.clear()
 
 
+def _shown_always() -> bool:
+    """Whether an ``always`` filter naming this category is in force
+    (``warnings.simplefilter("always", FallbackWarning)``, as IBM's tests do):
+    then every fallback warns, not only an op's first.  A filter for all
+    warnings keeps the once-per-op rule."""
+    for action, message, category, module, _lineno in warnings.filters:
+        if message is None and module is None and issubclass(SpyreFallbackWarning, category):
+            return action == "always" and issubclass(category, SpyreFallbackWarning)
+    return False
+
+
 def _describe(args, kwargs) -> str:
     shapes = []
     for a in tree_flatten((args, kwargs))[0]:
@@ -154,7 +165,7 @@ def host_fallback(op, *args, **kwargs):
             f"tensors to the CPU for this op."
         )
     dispatch_stats.record("fallback", name)
-    if _policy == "warn" and name not in _warned:
+    if _policy == "warn" and (name not in _warned or _shown_always()):
         _warned.add(name)
         warnings.warn(
             f"spyre: aten.{name} has no device kernel for these inputs; it runs on the host "

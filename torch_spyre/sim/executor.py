@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from torch_spyre import dl16
+from torch_spyre import layout as layout_mod
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.sim import ops as ops_mod
 from torch_spyre.sim.hostviews import VIEWS
@@ -49,8 +51,17 @@ Buffers = dict[str, torch.Tensor]
 Runner = Callable[[Buffers], None]
 
 
+def _rounder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How a value is rounded into an LX buffer of ``dtype``: to ``dtype``, or
+    for 16-bit floats on a DL16 card to DL16 (held in fp32: torch has no DL16)."""
+    if dtype in _HALF and layout_mod.FP16_FORMAT == "dl16":
+        return dl16.round_trip
+    return lambda t: t.to(dtype)
+
+
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float32 if dt in _HALF else dt
+    # 16-bit and 8-bit floats are computed in fp32 and rounded once
+    return torch.float32 if dt in _HALF or dt in layout_mod.FP8_DTYPES else dt
 
 
 def _held_dtype(operand: torch.dtype, buffer: torch.dtype) -> torch.dtype:
@@ -220,6 +231,12 @@ def _build_load(
     buf = program.buffer(s.buffer)
     layout = op.layout
     held = _held_dtype(layout.dtype, buf.dtype)
+    # a DL16 card rounds a wider float into a 16-bit buffer as DL16, held in fp32
+    to_buf = None
+    if buf.dtype in _HALF and layout_mod.FP16_FORMAT == "dl16" and layout.dtype.is_floating_point:
+        if not layout.dl16:
+            to_buf = dl16.round_trip
+        held = torch.float32
     keep_view = op.role == "input"
     narrows = tuple(
         (k, off, 1 if d is None else program.dim(d).size)
@@ -233,6 +250,8 @@ def _build_load(
     read = VIEWS.read
 
     def value(host: torch.Tensor) -> torch.Tensor:
+        if to_buf is not None:
+            host = to_buf(host)
         for k, off, size in narrows:  # a sub-block of the operand
             host = host.narrow(k, off, size)
         shape = host.shape
@@ -306,6 +325,7 @@ def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
     aligns = tuple(_Align(dims[x], out_buf.dims) for x in s.inputs)
     inputs, scalars, out, fn = s.inputs, s.scalars, s.out, od.fn
     out_dtype = out_buf.dtype
+    to_out = _rounder(out_dtype)
     acc = _acc_dtype(out_dtype)
     cast = acc.is_floating_point  # comparisons etc. (bool/int out) keep their input types
     fill = None
@@ -320,7 +340,7 @@ def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
         res = fn(*args, *scalars)
         if fill is not None:
             res = res.expand(fill)
-        env[out] = res.to(out_dtype)
+        env[out] = to_out(res)
 
     return vector
 
@@ -372,7 +392,7 @@ def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
         + "".join(letters[d] for d in out_dims)
     )
     acc = _acc_dtype(out_buf.dtype) if out_buf.dtype.is_floating_point else torch.float32
-    res_dtype = acc if partial else out_buf.dtype
+    to_res = _rounder(acc if partial else out_buf.dtype)
     a, b, out = s.a, s.b, s.out
     dims[out] = out_dims
     f32 = torch.float32
@@ -385,7 +405,7 @@ def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
             tb = _split_axis(tb, ax, cores, size, chunk, 0.0)
         # fp32 accumulation like the PE array; einsum lowers to one (batched) GEMM
         r = torch.einsum(eq, ta.to(f32), tb.to(f32))
-        env[out] = r.to(res_dtype)
+        env[out] = to_res(r)
 
     return matmul
 
@@ -404,7 +424,7 @@ def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
     partial = tuple(d for d in rest if d.startswith(_P))
     out_dims = partial + out_buf.dims
     align = _Align(rest, out_dims)
-    inp, out, fn, out_dtype = s.input, s.out, rd.fn, out_buf.dtype
+    inp, out, fn, to_out = s.input, s.out, rd.fn, _rounder(out_buf.dtype)
     dims[out] = out_dims
     f32 = torch.float32
 
@@ -415,7 +435,7 @@ def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
         if split is not None:
             t = _split_axis(t, *split)
         res = align(fn(t, ax))
-        env[out] = res if partial else res.to(out_dtype)
+        env[out] = res if partial else to_out(res)
 
     return reduce
 
@@ -455,13 +475,13 @@ def _build_allreduce(program: Program, s: RingAllReduce, dims: dict) -> Callable
     ax = src.index(_P + s.dim)
     rest = src[:ax] + src[ax + 1 :]
     final = not any(d.startswith(_P) for d in rest)
-    buf_dtype = program.buffer(s.buffer).dtype
+    to_buf = _rounder(program.buffer(s.buffer).dtype)
     name, fn = s.buffer, rd.fn
     dims[name] = rest
 
     def allreduce(buffers: Buffers, env: dict) -> None:
         r = fn(env[name], ax)
-        env[name] = r.to(buf_dtype) if final else r
+        env[name] = to_buf(r) if final else r
 
     return allreduce
 
@@ -517,6 +537,8 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         and len({s.buffer for s in loads}) == len(loads)
     ):
         return None
+    if any(program.operand(s.operand).layout.dl16 for s in (*loads, store)):
+        return None  # DL16 device memory: values through the layouts (general path)
     od = ops_mod.vector_op(vec.op)
     out_dtype = program.buffer(vec.out).dtype
     acc = _acc_dtype(out_dtype)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torch_spyre.sim import ops as ops_mod
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.config import HardwareConfig, pe_rate
 from torch_spyre.sim.program import (
     Load,
     Matmul,
@@ -202,7 +202,7 @@ def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig) -> float:
             cyc *= cv.dim_sum(s, d, (lambda x, q=q: -(-x // q)) if last else (lambda x: x))
     for d in batch:
         cyc *= cv.dim_sum(s, d)
-    rate = {torch.int8: 2.0, torch.uint8: 2.0, torch.float32: 0.25}.get(a.dtype, 1.0)
+    rate = pe_rate(a.dtype, b.dtype)
     fill = cfg.pe_rows + cfg.pe_cols  # systolic fill and drain per tile
     instances = math.prod(cv.tiles(d) for d in s.loops)
     return cyc / rate + fill * instances
@@ -349,11 +349,13 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     parts["overhead"] = cycles - max(parts.values())
     bottleneck = max(parts, key=lambda k: parts[k])
     flops = sum(_matmul_flops(p, s) for s in p.steps if isinstance(s, Matmul))
-    mm_dtype = next((p.buffer(s.a).dtype for s in p.steps if isinstance(s, Matmul)), torch.float16)
+    mm = next((s for s in p.steps if isinstance(s, Matmul)), None)
+    mm_dtype = p.buffer(mm.a).dtype if mm is not None else torch.float16
+    mm_b_dtype = p.buffer(mm.b).dtype if mm is not None else None
     compulsory = sum(o.layout.nbytes for o in p.operands)
     roof = max(
         compulsory / cfg.memory_bandwidth_Bps,
-        flops / cfg.peak_flops(mm_dtype),
+        flops / cfg.peak_flops(mm_dtype, b_dtype=mm_b_dtype),
         vector_ops / cfg.peak_vector_ops(),
     )
     util = sum(max(busy["pe"][i], busy["vector"][i]) for i in range(ncores)) / ncores / cycles

@@ -9,7 +9,9 @@ Two entry points (pyproject.toml) activate it once torch-spyre and vLLM are inst
   implementations (``layers.py``) in every process that builds a model.
 
 Set ``TORCH_SPYRE_VLLM=0`` to keep vLLM from activating the plugin (vLLM then falls
-back to its own platform detection). Docs: docs/serving.md.
+back to its own platform detection). When IBM's spyre-inference plugin is installed
+and selected, ours stands down (:func:`register` returns None); ``VLLM_PLUGINS``
+picks either. Docs: docs/serving.md, docs/compat.md.
 """
 
 from __future__ import annotations
@@ -27,9 +29,36 @@ def enabled() -> bool:
     return os.environ.get("TORCH_SPYRE_VLLM", "1") not in ("0", "false", "False", "")
 
 
+#: IBM's vLLM platform plugin on torch-spyre (spyre-inference) and its entry point
+IBM_PLUGIN = "spyre_inference"
+
+
+def ibm_plugin_selected() -> bool:
+    """Whether IBM's spyre-inference platform plugin is installed and vLLM will load it.
+
+    vLLM refuses to start when two platform plugins answer, so ours stands down
+    for IBM's: ``VLLM_PLUGINS`` (vLLM's own list of plugins to load) picks either.
+    """
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == IBM_PLUGIN for ep in entry_points(group="vllm.platform_plugins")):
+        return False
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return allowed is None or IBM_PLUGIN in [p.strip() for p in allowed.split(",")]
+
+
 def register() -> str | None:
     """``vllm.platform_plugins`` hook: the platform class to use, or None."""
     if not enabled():
+        return None
+    if ibm_plugin_selected():
+        import logging
+
+        logging.getLogger("vllm.torch_spyre").info(
+            "torch_spyre's vLLM platform stands down: IBM's %s plugin is installed and "
+            "selected (VLLM_PLUGINS=spyre picks torch_spyre's instead)",
+            IBM_PLUGIN,
+        )
         return None
     return PLATFORM_QUALNAME
 
@@ -43,6 +72,9 @@ def register_ops() -> None:
     # Only when spyre is the platform: the layers assume spyre tensors.
     if getattr(current_platform, "device_name", None) != "spyre":
         return
-    from torch_spyre.vllm_plugin import layers
+    from torch_spyre.vllm_plugin import layers, metrics, models, quantization
 
     layers.register()
+    quantization.register()  # fp8 linear layers on the card
+    models.register()
+    metrics.install_api_server_collector()

@@ -74,7 +74,8 @@ class SpyreAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        # encoder-only: embedding and cross-encoder models (pooling runner)
+        return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @staticmethod
     def get_kv_cache_shape(
@@ -108,11 +109,17 @@ def _group_indices(
     reqs: torch.Tensor,
     qsl: torch.Tensor,
     seq: torch.Tensor,
-    table: torch.Tensor,
+    table: torch.Tensor | None,
     block_size: int,
+    causal: bool = True,
+    window: int | None = None,
 ) -> dict:
+    """``table`` None: keys and values are the step's own tokens (encoder-only
+    attention, bidirectional within a request: ``kv_index`` then holds token
+    rows, not cache slots).  ``window``: each query sees the last ``window``
+    positions up to its own (sliding-window attention)."""
     q_lens = qsl[reqs + 1] - qsl[reqs]
-    seq = seq[reqs]
+    seq = seq[reqs] if table is not None else q_lens
     ctx = seq - q_lens  # tokens already in the cache before this step
     r, q_max, s_max = len(reqs), int(q_lens.max()), int(seq.max())
 
@@ -121,14 +128,21 @@ def _group_indices(
     q_valid = j[None, :] < q_lens[:, None]  # [R, Q]
     q_index = torch.where(q_valid, qsl[reqs, None] + j[None, :], 0)
 
-    rows = table[reqs]
-    cols = (s // block_size).clamp(max=rows.shape[1] - 1).expand(r, -1)
-    blk = torch.gather(rows, 1, cols)
     s_valid = s[None, :] < seq[:, None]  # [R, S]
-    kv_index = torch.where(s_valid, blk * block_size + s % block_size, 0)
+    if table is None:
+        kv_index = torch.where(s_valid, qsl[reqs, None] + s[None, :], 0)
+    else:
+        rows = table[reqs]
+        cols = (s // block_size).clamp(max=rows.shape[1] - 1).expand(r, -1)
+        blk = torch.gather(rows, 1, cols)
+        kv_index = torch.where(s_valid, blk * block_size + s % block_size, 0)
 
-    causal = s[None, None, :] <= (ctx[:, None, None] + j[None, :, None])  # [R, Q, S]
-    mask = causal & s_valid[:, None, :] & q_valid[:, :, None]
+    pos = ctx[:, None, None] + j[None, :, None]  # [R, Q, 1]: each query's position
+    mask = s_valid[:, None, :] & q_valid[:, :, None]
+    if causal:
+        mask = mask & (s[None, None, :] <= pos)
+    if window is not None:
+        mask = mask & (pos - s[None, None, :] < window)
     # A padded query row must not be all False (SDPA would give NaN); let it see
     # position 0 — its output is never read back.
     mask[:, :, 0] |= ~q_valid
@@ -145,8 +159,10 @@ def _group_indices(
 def build_indices(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     block_size: int,
+    causal: bool = True,
+    window: int | None = None,
 ) -> tuple[list[dict], torch.Tensor]:
     """Host-side index tensors for one step (see the module docstring).
 
@@ -159,7 +175,7 @@ def build_indices(
     seq = seq_lens.to(torch.int64)
     num_reqs = seq.shape[0]
     q_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
-    table = block_table[:num_reqs].to(torch.int64)
+    table = None if block_table is None else block_table[:num_reqs].to(torch.int64)
     num_tokens = int(qsl[num_reqs])
 
     row_of_token = torch.zeros(num_tokens, dtype=torch.int64)
@@ -168,7 +184,7 @@ def build_indices(
     for reqs in ((q_lens == 1).nonzero().flatten(), (q_lens > 1).nonzero().flatten()):
         if len(reqs) == 0:
             continue
-        g = _group_indices(reqs, qsl, seq, table, block_size)
+        g = _group_indices(reqs, qsl, seq, table, block_size, causal, window)
         for k, req in enumerate(reqs.tolist()):
             lo, hi = int(qsl[req]), int(qsl[req + 1])
             base = offset + k * g["max_query_len"]
@@ -188,6 +204,8 @@ class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetad
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # sliding-window layers have their own KV cache group (and builder)
+        self.window = getattr(kv_cache_spec, "sliding_window", None)
 
     def build(
         self,
@@ -196,11 +214,17 @@ class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetad
         fast_build: bool = False,
     ) -> SpyreAttentionMetadata:
         m = common_attn_metadata
-        if not isinstance(m.causal, bool) or not m.causal:
-            raise NotImplementedError("spyre attention supports causal decoder attention only")
+        if not isinstance(m.causal, bool):
+            raise NotImplementedError("spyre attention: per-request causality is not supported")
         n = m.num_actual_tokens
+        # not causal: encoder-only attention (no KV cache: keys are the step's tokens)
         groups, out_index = build_indices(
-            m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor.cpu(), self.block_size
+            m.query_start_loc_cpu,
+            m.seq_lens.cpu(),
+            m.block_table_tensor.cpu() if m.causal else None,
+            self.block_size,
+            causal=m.causal,
+            window=self.window,
         )
         # One host->device copy per index tensor per step, shared by all layers.
         return SpyreAttentionMetadata(
@@ -234,11 +258,9 @@ class SpyreAttentionImpl(AttentionImpl):
     ) -> None:
         unsupported = {
             "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
-            "logits_soft_cap": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
             f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
-            f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+            f"attn_type={attn_type}": attn_type
+            not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY),
         }
         bad = [name for name, is_set in unsupported.items() if is_set]
         if bad:
@@ -250,6 +272,9 @@ class SpyreAttentionImpl(AttentionImpl):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        self.sliding_window = sliding_window  # applied by the builder's mask
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.sinks = sinks  # [H] per-head logit of a virtual "sink" key (gpt-oss)
 
     def do_kv_cache_update(
         self,
@@ -264,8 +289,8 @@ class SpyreAttentionImpl(AttentionImpl):
         meta = get_forward_context().attn_metadata
         if isinstance(meta, dict):
             meta = meta[layer.layer_name]
-        if meta is None or kv_cache.numel() == 0:  # profiling / warm-up
-            return
+        if meta is None or kv_cache.numel() == 0 or self.attn_type != AttentionType.DECODER:
+            return  # profiling / warm-up; encoder-only attention keeps no cache
         n = meta.num_actual_tokens
         pages = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
         pages[0].index_copy_(0, meta.slots, key[:n])
@@ -290,16 +315,25 @@ class SpyreAttentionImpl(AttentionImpl):
         m = attn_metadata
         n = m.num_actual_tokens
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
-        pages = kv_cache.view(2, -1, kvh, d)
+        if self.attn_type == AttentionType.ENCODER_ONLY:  # keys: this step's tokens
+            keys, values = key[:n].view(-1, kvh, d), value[:n].view(-1, kvh, d)
+        else:
+            pages = kv_cache.view(2, -1, kvh, d)
+            keys, values = pages[0], pages[1]
+        position_bias = getattr(layer, "spyre_position_bias", None)
         outs = []
         for g in m.groups:
             r, q_max, s_max = g.num_reqs, g.max_query_len, g.max_seq_len
-            k = pages[0].index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
-            v = pages[1].index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
+            k = keys.index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
+            v = values.index_select(0, g.kv_index).view(r, s_max, kvh, d).transpose(1, 2)
             q = query[:n].index_select(0, g.q_index).view(r, q_max, h, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=(h != kvh)
-            )  # [R, H, Q, D]
+            bias = None
+            if position_bias is not None:  # a learned bias by key - query distance (MPNet)
+                if self.attn_type != AttentionType.ENCODER_ONLY:
+                    raise NotImplementedError("spyre: a position bias needs encoder-only attention")
+                rel = torch.arange(s_max)[None, :] - torch.arange(q_max)[:, None]
+                bias = position_bias(rel)[None]  # [1, H, Q, S]
+            o = self._attend(q, k, v, g.mask, bias)  # [R, H, Q, D]
             outs.append(o.transpose(1, 2).reshape(r * q_max, h, d))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         output[:n].copy_(o.index_select(0, m.out_index).to(output.dtype))
@@ -307,6 +341,36 @@ class SpyreAttentionImpl(AttentionImpl):
             # rows of a compiled bucket's padding: defined values (never read back)
             output[n:].zero_()
         return output
+
+    def _attend(self, q, k, v, mask: torch.Tensor, bias: torch.Tensor | None = None):
+        """Attention of [R, H, Q, D] queries over [R, KVH, S, D] keys/values.
+
+        One SDPA kernel, unless the logits are soft-capped (gemma2), biased
+        (MPNet's relative positions) or there are attention sinks: then the
+        scores, cap, bias, masked softmax and weighted sum as the card's matmul,
+        vector and softmax kernels.
+        """
+        h, kvh = q.shape[1], k.shape[1]
+        if self.soft_cap is None and self.sinks is None and bias is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=(h != kvh)
+            )
+        if h != kvh:
+            k = k.repeat_interleave(h // kvh, dim=1)
+            v = v.repeat_interleave(h // kvh, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+        if self.soft_cap is not None:
+            scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
+        if bias is not None:
+            scores = scores + bias.float()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.device, torch.float32).view(1, h, 1, 1)
+            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs.to(v.dtype), v)
 
 
 BACKEND_QUALNAME = f"{SpyreAttentionBackend.__module__}.{SpyreAttentionBackend.__qualname__}"

@@ -46,8 +46,15 @@ SPYRE = torch.device("spyre")
 FIRST_BUCKET = 16
 
 
-def enabled() -> bool:
-    return os.environ.get("TORCH_SPYRE_VLLM_COMPILE", "1") not in ("0", "false", "False", "")
+def enabled(pooling: bool = False) -> bool:
+    """Compile the forward?  ``TORCH_SPYRE_VLLM_COMPILE``: on by default for
+    generative models; pooling models (one prefill-only pass per request) run
+    eagerly unless it is set to 1 (the compiler lacks the integer bit ops of
+    vLLM's BERT token-type packing: docs/serving.md)."""
+    raw = os.environ.get("TORCH_SPYRE_VLLM_COMPILE")
+    if raw is None:
+        return not pooling
+    return raw not in ("0", "false", "False", "")
 
 
 def buckets(max_tokens: int) -> list[int]:
@@ -110,6 +117,13 @@ class CompiledForward:
                 "spyre compiled forward: token ids and positions only "
                 "(no inputs_embeds, pipeline stages or extra model inputs)"
             )
+        return self._run(input_ids, positions, count=True)
+
+    def warm_up(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Compile (and run) the bucket of these inputs; not counted as a step."""
+        return self._run(input_ids, positions, count=False)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, count: bool) -> torch.Tensor:
         n = input_ids.shape[0]
         b = bucket_for(n, self.sizes)
         ids = _pad(input_ids, b)
@@ -135,7 +149,8 @@ class CompiledForward:
                 self.graphs,
                 self.sizes,
             )
-        self.calls[b] += 1
+        if count:
+            self.calls[b] += 1
         return out[:n]
 
     def summary(self) -> dict:
@@ -173,6 +188,11 @@ class CompiledHead:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        out = self._run(x, weight, bias)
+        self.calls[bucket_for(x.shape[0], self.sizes)] += 1
+        return out
+
+    def _run(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
         n = x.shape[0]
         b = bucket_for(n, self.sizes)
         if n < b:
@@ -182,7 +202,6 @@ class CompiledHead:
         out = self._fn(x, weight, bias)
         if first:
             self.compile_s[b] = time.perf_counter() - t0
-        self.calls[b] += 1
         return out[:n]
 
     def summary(self) -> dict:

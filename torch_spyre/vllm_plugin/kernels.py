@@ -1,9 +1,15 @@
-"""Pure-torch stand-ins for vLLM's Triton helper kernels.
+"""Pure-torch stand-ins for vLLM's Triton helper kernels and C++ ops.
 
-The pure-Python vLLM build (``VLLM_TARGET_DEVICE=empty``) runs no Triton, and the
-kernels below work on vLLM's host-side bookkeeping tensors (the platform's
-device_type is "cpu"), so plain torch on the host is the natural replacement.
-Registered through ``Platform.register_triton_kernel_overrides``.
+The pure-Python vLLM build (``VLLM_TARGET_DEVICE=empty``) runs no Triton and has
+no ``vllm._C``.  The Triton kernels below work on vLLM's host-side bookkeeping
+tensors (the platform's device_type is "cpu"), so plain torch on the host is the
+natural replacement (registered through
+``Platform.register_triton_kernel_overrides``).  ``register_c_ops`` (called by
+``Platform.import_kernels``, where vLLM loads its C++ ops) defines the one C++
+op the fp8 path calls: ``_C::static_scaled_fp8_quant``, quantising weights at
+load time, as ``torch.ops.spyre.quantize``: ``(input / scale).clamp(-448, 448)``
+to fp8 (true division, as vLLM's per-channel path; its CUDA kernel multiplies
+by the reciprocal).
 """
 
 from __future__ import annotations
@@ -49,3 +55,41 @@ def compute_slot_mapping(
 OVERRIDES = {
     "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
 }
+
+
+_c_lib: list[torch.library.Library] = []
+
+
+def register_c_ops() -> None:
+    """Torch stand-ins for the vLLM C++ ops the fp8 path calls at load time
+    (the pure-Python build has none); nothing is defined where vllm._C exists."""
+    if _c_lib or hasattr(torch.ops._C, "static_scaled_fp8_quant"):
+        return
+    import torch_spyre  # noqa: F401  (torch.ops.spyre.quantize)
+
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define(
+        "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, "
+        "int[]? group_shape=None) -> ()"
+    )
+
+    def static_scaled_fp8_quant(result, input, scale, group_shape=None) -> None:
+        s = scale.to(torch.float32)
+        if s.dim() == 1 and s.numel() > 1:
+            # a 1-D scale needs its group shape: per token (1, -1), per channel (-1, 1)
+            gs = tuple(group_shape or ())
+            if gs == (1, -1):
+                s = s.reshape(-1, 1)
+            elif gs == (-1, 1):
+                s = s.reshape(1, -1)
+            else:
+                raise NotImplementedError(
+                    f"static_scaled_fp8_quant: a 1-D scale with group shape {gs or None}"
+                )
+        elif s.dim() > 2 or (s.dim() == 2 and s.shape != input.shape[:1] + (1,) and s.numel() > 1
+                                and s.shape != (1,) + input.shape[1:]):  # fmt: skip
+            raise NotImplementedError(f"static_scaled_fp8_quant: group scales {list(s.shape)}")
+        result.copy_(torch.ops.spyre.quantize(input, s, result.dtype))
+
+    lib.impl("static_scaled_fp8_quant", static_scaled_fp8_quant, "CompositeExplicitAutograd")
+    _c_lib.append(lib)

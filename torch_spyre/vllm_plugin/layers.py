@@ -155,12 +155,29 @@ def _swap_quant_method(layer: torch.nn.Module, unquantized: type, spyre: type) -
     qm = getattr(layer, "quant_method", None)
     if qm is None:
         return
-    if type(qm) is not unquantized:
+    if type(qm) is unquantized:
+        layer.quant_method = spyre()
+        return
+    if not _runs_on_spyre(layer, qm):
         raise NotImplementedError(
             f"{type(layer).__name__}: quantization method {type(qm).__name__} is not "
-            "supported on spyre (unquantized fp32/fp16/bf16 weights only)"
+            "supported on spyre (unquantized fp32/fp16/bf16 weights, or fp8 weights: "
+            "--quantization fp8 / fp8_per_tensor / fp8_per_channel, fp8 checkpoints and "
+            "compressed-tensors fp8 checkpoints with per-tensor or per-channel scales)"
         )
-    layer.quant_method = spyre()
+
+
+def _runs_on_spyre(layer: torch.nn.Module, qm) -> bool:
+    """A quantised linear method whose kernel is spyre's (quantization.py)."""
+    from torch_spyre.vllm_plugin.quantization import SpyreFp8LinearKernel
+
+    scheme = getattr(layer, "scheme", None)  # compressed-tensors keeps it on the layer
+    kernels = (
+        getattr(qm, "fp8_linear", None),
+        getattr(scheme, "fp8_linear", None),
+        getattr(scheme, "linear_kernel", None),
+    )
+    return any(isinstance(k, SpyreFp8LinearKernel) for k in kernels)
 
 
 def _linear_class(base: type) -> type:

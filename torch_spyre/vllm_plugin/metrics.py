@@ -7,9 +7,11 @@ The metrics live in the process that runs the worker (vLLM's engine core):
 * ``spyre:modelled_device_seconds_total`` (counter) and ``spyre:steps_total``.
 
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is the API server's process and
-they appear on its ``/metrics``. With the default separate engine process, set
-``TORCH_SPYRE_VLLM_METRICS_PORT`` and the worker serves them on that port.
-``TORCH_SPYRE_VLLM_LOG_STEPS=N`` logs every N-th step (default 1, 0 = never).
+they appear on its ``/metrics``.  With the default separate engine process the
+worker serves them on ``TORCH_SPYRE_VLLM_METRICS_PORT`` (picked free by the API
+server process when unset) and the API server's ``/metrics`` includes them
+through a collector that reads that port on each scrape (one scrape target for
+llm-d).  ``TORCH_SPYRE_VLLM_LOG_STEPS=N`` logs every N-th step (default 1, 0 = never).
 """
 
 from __future__ import annotations
@@ -49,6 +51,58 @@ def _metrics() -> dict[str, object] | None:
         pc.start_http_server(int(port))
         logger.info("spyre: worker metrics served on port %s", port)
     return _prom
+
+
+_PROXY_PID = "_TORCH_SPYRE_VLLM_METRICS_PROXY_PID"
+
+
+class _WorkerMetrics:
+    """A Prometheus collector: the worker process's ``spyre:*`` series, read from
+    its metrics port at scrape time (nothing when the worker is in this process:
+    its series are in this registry already)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def collect(self):
+        if _prom is not None:
+            return
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=1) as r:
+                text = r.read().decode()
+        except OSError:  # the engine is starting or gone: no spyre series this scrape
+            return
+        for family in text_string_to_metric_families(text):
+            if family.name.startswith("spyre:"):
+                yield family
+
+
+def install_api_server_collector() -> None:
+    """In the process that starts vLLM's engine (the API server): pick the
+    worker's metrics port (inherited by the engine process) and collect its
+    series into this process's ``/metrics``.  Idempotent; the engine process
+    itself (a child, or the same process) does not proxy."""
+    owner = os.environ.get(_PROXY_PID)
+    if owner is not None:
+        return  # installed here already, or we are the engine process it started
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
+    if not port:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = str(sock.getsockname()[1])
+        os.environ["TORCH_SPYRE_VLLM_METRICS_PORT"] = port
+    os.environ[_PROXY_PID] = str(os.getpid())
+    REGISTRY.register(_WorkerMetrics(int(port)))
 
 
 @dataclass

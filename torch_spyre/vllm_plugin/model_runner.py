@@ -17,6 +17,7 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import AbstractContextManager
 from typing import Any
@@ -56,7 +57,9 @@ class SpyreModelRunner(CPUModelRunner):
 
     # -- model ------------------------------------------------------------------
     def load_model(self, load_dummy_weights: bool = False) -> None:
+        _check_fits(self.vllm_config, _checkpoint_bytes(self.model_config))
         super().load_model(load_dummy_weights)
+        _check_fits(self.vllm_config, sum(_device_bytes(p) for p in self.model.parameters()))
         from torch_spyre.vllm_plugin.layers import SpyreEmbeddingMethod, SpyreRotaryEmbedding
 
         for m in self.model.modules():
@@ -69,8 +72,11 @@ class SpyreModelRunner(CPUModelRunner):
         self.model.register_forward_pre_hook(_inputs_to_card, with_kwargs=True)
         self.compiled: CompiledForward | None = None
         self.compiled_head: CompiledHead | None = None
-        if compile_mod.enabled():
-            compile_mod.register_spyre_attention_ops()
+        extra = self.vllm_config.additional_config
+        user_eager = isinstance(extra, dict) and extra.get("spyre_eager", False)
+        # vLLM's layers call attention through its custom ops, compiled or not
+        compile_mod.register_spyre_attention_ops()
+        if compile_mod.enabled(pooling=self.is_pooling_model) and not user_eager:
             self.compiled = CompiledForward(
                 self.model, self.scheduler_config.max_num_batched_tokens
             )
@@ -90,6 +96,67 @@ class SpyreModelRunner(CPUModelRunner):
             time.perf_counter() - t0,
         )
 
+    def warm_up(self) -> None:
+        """Compile the token buckets before the server reports healthy.
+
+        ``TORCH_SPYRE_VLLM_WARMUP``: ``all`` (default: every bucket up to
+        ``max_num_batched_tokens``, and the LM head's row buckets), ``none``, or
+        the token buckets to compile (e.g. ``16,64``).  Each is one forward of
+        padding tokens with no attention metadata (vLLM's profiling-run
+        convention: attention writes no cache and returns zeros), so it traces
+        the graph real steps run; a progress line per bucket.
+        """
+        if self.compiled is None:
+            return
+        raw = os.environ.get("TORCH_SPYRE_VLLM_WARMUP", "all").strip().lower()
+        if raw in ("none", "0", "off", ""):
+            return
+        sizes = self.compiled.sizes
+        if raw != "all":
+            want = {int(x) for x in raw.split(",") if x.strip()}
+            bad = want - set(sizes)
+            if bad:
+                raise ValueError(
+                    f"TORCH_SPYRE_VLLM_WARMUP: {sorted(bad)} are not token buckets {sizes}"
+                )
+            sizes = [b for b in sizes if b in want]
+        from vllm.forward_context import set_forward_context
+
+        t_all = time.perf_counter()
+        # inference mode, as vLLM runs steps: its tensors' dispatch keys are in the guards
+        with torch.inference_mode():
+            for i, b in enumerate(sizes, 1):
+                t0 = time.perf_counter()
+                # the dtypes of vLLM's own input buffers (guards check them)
+                ids = torch.zeros(b, dtype=_dtype(self.input_ids))
+                pos = torch.zeros(b, dtype=_dtype(self.positions))
+                with set_forward_context(None, self.vllm_config, num_tokens=b):
+                    hidden = self.compiled.warm_up(ids, pos)
+                logger.info(
+                    "spyre: warm-up %d/%d: the %d-token bucket compiled in %.1f s",
+                    i, len(sizes), b, time.perf_counter() - t0,
+                )  # fmt: skip
+            if self.compiled_head is not None:
+                head = self._lm_head_weights()
+                for rows in self.compiled_head.sizes if head is not None else ():
+                    x = hidden[:1].expand(rows, -1).contiguous()
+                    self.compiled_head._run(x, *head)
+        logger.info(
+            "spyre: warm-up done in %.1f s (%d forward graphs, %d LM-head graphs)",
+            time.perf_counter() - t_all,
+            self.compiled.graphs,
+            0 if self.compiled_head is None else self.compiled_head.graphs,
+        )
+
+    def _lm_head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, bias) for the compiled head's graph: a [vocab, hidden] weight
+        of the layers it serves (layers.py; the weight is a graph input, so any of
+        that shape traces the same graph) and no bias, as the logits processor calls it."""
+        for m in self.model.modules():
+            if m.__dict__.get("spyre_compiled_head") is self.compiled_head:
+                return m.weight, None
+        return None
+
     def _model_forward(
         self,
         input_ids=None,
@@ -105,6 +172,20 @@ class SpyreModelRunner(CPUModelRunner):
         return self.compiled(
             input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs
         )
+
+    def _pool(self, hidden_states, num_scheduled_tokens, num_scheduled_tokens_np, *args, **kw):
+        """Pooling models (embeddings, cross-encoder scores): vLLM's pooler runs
+        on the card over the hidden states there; its token cursor must be on
+        the hidden states' device, which vLLM takes from ``query_start_loc.gpu``
+        (a host tensor for this CPU-typed runner)."""
+        qsl = self.query_start_loc
+        self.query_start_loc = _OnCard(qsl)
+        try:
+            return super()._pool(
+                hidden_states, num_scheduled_tokens, num_scheduled_tokens_np, *args, **kw
+            )
+        finally:
+            self.query_start_loc = qsl
 
     @staticmethod
     def _check_on_card(model: torch.nn.Module) -> None:
@@ -204,4 +285,73 @@ class SpyreModelRunner(CPUModelRunner):
             reqs=self._step_reqs,
             modelled_s=torch.spyre.modelled_time_s() - mod0,
             wall_s=time.perf_counter() - wall0,
+        )
+
+
+class _OnCard:
+    """A CpuGpuBuffer whose device half is on the card (see _pool)."""
+
+    def __init__(self, buf) -> None:
+        self._buf = buf
+        self.gpu = buf.gpu.to(SPYRE)
+
+    def __getattr__(self, name: str):
+        return getattr(self._buf, name)
+
+
+def _dtype(buf) -> torch.dtype:
+    """The dtype of one of vLLM's input buffers (a CpuGpuBuffer or a tensor)."""
+    return buf.gpu.dtype if hasattr(buf, "gpu") else buf.dtype
+
+
+def _device_bytes(t: torch.Tensor) -> int:
+    """Device bytes a host tensor takes on the card (whole sticks, padding included)."""
+    from torch_spyre.layout import SpyreTensorLayout
+
+    return SpyreTensorLayout.default(tuple(t.shape), t.dtype).nbytes
+
+
+def _checkpoint_bytes(model_config) -> int | None:
+    """Weight bytes in the serving dtype, from the local safetensors headers (no
+    loading); None when the checkpoint is not local safetensors."""
+    import json
+    import struct
+    from pathlib import Path
+
+    folder = Path(str(model_config.model))
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            total += numel * itemsize
+    return total
+
+
+def _check_fits(vllm_config, weight_bytes: int | None) -> None:
+    """Weights plus the KV cache against the card's device memory, before either
+    is allocated: a clear error naming both and what to change."""
+    from torch_spyre.vllm_plugin.worker import planned_kv_cache_bytes
+
+    if weight_bytes is None:
+        return
+    free, total = torch.spyre.mem_get_info()
+    kv = planned_kv_cache_bytes(vllm_config.cache_config, free - weight_bytes)
+    if weight_bytes + kv > free:
+        raise ValueError(
+            f"spyre: the model does not fit on the card: its weights take "
+            f"{weight_bytes / 2**30:.2f} GiB and the KV cache {kv / 2**30:.2f} GiB of device "
+            f"memory, {(weight_bytes + kv) / 2**30:.2f} GiB in all, but {free / 2**30:.2f} GiB "
+            f"of {total / 2**30:.2f} GiB are free. Set a smaller --kv-cache-memory-bytes, a "
+            "16-bit --dtype, or a larger card (TORCH_SPYRE_DEVICE_MEMORY)."
         )

@@ -34,7 +34,13 @@ class SpyrePlatform(Platform):
     dist_backend: str = "gloo"
     ray_device_key: str = ""
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
+    #: fp8 weights (vllm_plugin/quantization.py); anything else is refused at start-up
+    supported_quantization: list[str] = [
+        "fp8",
+        "fp8_per_tensor",
+        "fp8_per_channel",
+        "compressed-tensors",
+    ]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -71,8 +77,11 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # The pure-Python vLLM build has no vllm._C; nothing here needs it.
-        return None
+        # The pure-Python vLLM build has no vllm._C: torch stand-ins for the one
+        # op of it the fp8 path calls (quantising weights at load time).
+        from torch_spyre.vllm_plugin import kernels
+
+        kernels.register_c_ops()
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -147,6 +156,11 @@ class SpyrePlatform(Platform):
         comp.custom_ops = ["all"]
         model = vllm_config.model_config
         if model is not None:
+            # the user's --enforce-eager (no graphs) means our eager layers too;
+            # vLLM's own compilation is always off here
+            extra = vllm_config.additional_config
+            if isinstance(extra, dict):
+                extra.setdefault("spyre_eager", bool(model.enforce_eager))
             model.enforce_eager = True
             if model.use_mla:
                 raise NotImplementedError("MLA models are not supported on spyre")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import AbstractContextManager, nullcontext
 
+import numpy as np
 import torch
+import vllm.utils.torch_utils as _torch_utils
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_random_seed
@@ -16,10 +19,50 @@ from torch_spyre.vllm_plugin.model_runner import SpyreModelRunner
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
+
+def _async_tensor_h2d(data, device=None, dtype=None, out=None) -> torch.Tensor:
+    """vLLM's ``async_tensor_h2d`` (host data to ``device`` or into ``out``), unpinned."""
+    if isinstance(data, np.ndarray):
+        data = torch.from_numpy(data)
+    if not isinstance(data, torch.Tensor):
+        data = torch.tensor(data, dtype=dtype)
+    if out is not None:
+        return out.copy_(data)
+    return data.to(device=device, dtype=dtype)
+
+
+# vLLM's CPU worker module imports vllm/v1/worker/cpu/shm.py, which replaces
+# vllm.utils.torch_utils.async_tensor_h2d process-wide with a copy that ignores
+# ``device`` (everything is the host for the CPU platform).  Its poolers move
+# prompt lengths to the hidden states' device with it -- the card here -- and then
+# mix devices.  vLLM has no hook for this; we put back a copy that honours the
+# device (tests/vllm/test_vllm_plugin.py fails if the patch is lost).
+def _restore_async_tensor_h2d() -> None:
+    host_only = _torch_utils.async_tensor_h2d
+    _torch_utils.async_tensor_h2d = _async_tensor_h2d
+    # modules that imported it by name while the host-only one was in place
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "async_tensor_h2d", None) is host_only and mod is not _torch_utils:
+            if (
+                getattr(mod, "__name__", "").startswith("vllm.")
+                and "worker.cpu.shm" not in mod.__name__
+            ):
+                mod.async_tensor_h2d = _async_tensor_h2d
+
+
+_restore_async_tensor_h2d()
+
 # The simulated card's device memory is host memory: without an explicit size the
 # KV cache takes gpu_memory_utilization of the free device memory, capped here so a
 # 112 GiB simulated card does not allocate that much host RAM.
 DEFAULT_KV_CACHE_CAP = 1 << 30
+
+
+def planned_kv_cache_bytes(cache_config, free: int) -> int:
+    """The KV cache the worker will allocate with ``free`` device bytes left."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        return int(cache_config.kv_cache_memory_bytes)
+    return min(int(max(free, 0) * cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
 
 
 class SpyreWorker(CPUWorker):
@@ -67,21 +110,24 @@ class SpyreWorker(CPUWorker):
         return nullcontext()  # no CuMem pools: the spyre allocator owns device memory
 
     def _should_warm_up_model(self) -> bool:
-        return False  # buckets compile on first use (compile.py), not at start-up
+        return False  # vLLM's own warm-up: our buckets compile in compile_or_warm_up_model
+
+    def compile_or_warm_up_model(self):
+        """Compile the token buckets before the engine reports ready (model_runner.warm_up)."""
+        times = super().compile_or_warm_up_model()
+        self.model_runner.warm_up()
+        return times
 
     def determine_available_memory(self) -> int:
         """Bytes for the KV cache in spyre device memory."""
         explicit = self.cache_config.kv_cache_memory_bytes
         free, total = torch.spyre.mem_get_info()
-        if explicit is not None:
-            if explicit > free:
-                raise ValueError(
-                    f"spyre: kv_cache_memory_bytes={explicit} exceeds the free device "
-                    f"memory ({free} of {total} bytes; TORCH_SPYRE_DEVICE_MEMORY sets it)"
-                )
-            size = int(explicit)
-        else:
-            size = min(int(free * self.cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
+        if explicit is not None and explicit > free:
+            raise ValueError(
+                f"spyre: kv_cache_memory_bytes={explicit} exceeds the free device "
+                f"memory ({free} of {total} bytes; TORCH_SPYRE_DEVICE_MEMORY sets it)"
+            )
+        size = planned_kv_cache_bytes(self.cache_config, free)
         logger.info(
             "spyre: %.1f MiB of device memory for the KV cache (%.1f MiB free of %.1f MiB)",
             size / 2**20,
