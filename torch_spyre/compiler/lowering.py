@@ -574,6 +574,15 @@ class ProgramBuilder:
         se = stick_elems(dtype)
         try:
             factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
+            stick = [v for v in factors[-1] if not is_ghost(v)]
+            if (
+                name not in self.produced
+                and len(stick) < len(factors[-1])
+                and self.ranges[stick[-1]] % se
+            ):
+                # ghost pieces around a sub-stick piece (a fused qkv's heads of
+                # 16): not a view of whole sticks, the pieces / lanes paths read it
+                raise Unsupported(f"load of {name}: sub-stick pieces between ghosts")
         except Unsupported:
             if name in self.produced:
                 raise
@@ -589,7 +598,13 @@ class ProgramBuilder:
             return self._gather(name, rest, terms, first, size, stride, offset, dtype, se)
         if name not in self.produced and not factors[-1] and size[-1] > 1 and offs[-1] % se:
             return self._lane(name, factors, offs, size, dtype, se)
-        if name not in self.produced and factors[-1] and size[-1] > 1:
+        # (ghost pieces, read at one position, are whole-stick blocks: a view)
+        if (
+            name not in self.produced
+            and factors[-1]
+            and size[-1] > 1
+            and not any(is_ghost(v) for v in factors[-1])
+        ):
             widths = [self.ranges[v] for v in factors[-1]]
             if lanes.needs_gather(size[-1], widths, offs[-1], se):
                 terms, c = [], 1

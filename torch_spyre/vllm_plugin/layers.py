@@ -213,6 +213,14 @@ CUSTOM_OPS: dict[str, type] = {
     "SiluAndMul": SpyreSiluAndMul,
     "RotaryEmbedding": SpyreRotaryEmbedding,
 }
+
+
+def _custom_ops() -> dict[str, type]:
+    from torch_spyre.vllm_plugin.moe import SpyreFusedMoEMethod
+
+    return {**CUSTOM_OPS, "UnquantizedFusedMoEMethod": SpyreFusedMoEMethod}
+
+
 PLUGGABLE_LAYERS: dict[str, type] = {
     **{
         base.__name__: _linear_class(base)
@@ -234,7 +242,7 @@ def register() -> None:
     """Register every class above with vLLM (idempotent: plugins load per process)."""
     from vllm.model_executor.custom_op import op_registry_oot
 
-    for name, cls in CUSTOM_OPS.items():
+    for name, cls in _custom_ops().items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
     for name, cls in PLUGGABLE_LAYERS.items():
