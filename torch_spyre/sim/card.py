@@ -123,6 +123,11 @@ class SimulatedCard:
                     runner(phase)(buffers)
             else:
                 runner(program)(buffers)
+        return self.account(rep)
+
+    def account(self, rep: KernelReport) -> KernelReport:
+        """Advance the clock and the counters by one launch of ``rep``'s kernel
+        (``run`` without the execution: for callers that executed it themselves)."""
         with self._lock:
             start = self.clock_s
             self.clock_s += rep.time_s
