@@ -245,8 +245,14 @@ def matmul(
     out_dtype: torch.dtype | None = None,
     dequant: tuple[str, tuple[int, ...], tuple[str | None, ...], torch.dtype] | None = None,
     scales: tuple[tuple[str, tuple[int, ...], tuple[str | None, ...], torch.dtype], ...] = (),
+    planned: bool = True,
 ) -> Program:
     """``out = alpha * (a @ b) [* scales] [+ beta * bias]`` over named dims.
+
+    ``planned``: the core split, tiles and multicast chosen by the compiler's
+    cost-model search (``compiler/eager_plans.py``: an eager matmul is
+    modelled as the same matmul compiled alone); False keeps the default
+    recipe below (rows and columns by ``default_matmul_split``, no multicast).
 
     ``sizes`` names every dim: batch dims (``b*``), output rows (``m*``, one or
     more: rows of a reshaped operand stay in its own shape), ``n`` and ``k``.
@@ -384,7 +390,7 @@ def matmul(
         steps.append(Vector("add", "acc", ("acc", "bias_t"), (), outer))
     steps.append(Store("out", "acc", out_index, outer))
     operands_.append(Operand("out", SpyreTensorLayout.default(out_shape, out_dt), "output"))
-    return Program(
+    prog = Program(
         name=name or f"mm_{nb}x{m}x{n}x{k}",
         dims=tuple(dims),
         operands=tuple(operands_),
@@ -392,6 +398,12 @@ def matmul(
         steps=tuple(steps),
         loop_order=loops,
     )
+    if not planned:
+        return prog
+    # the compiler's split / tiles / multicast search (the steps above stay)
+    from torch_spyre.compiler import eager_plans
+
+    return eager_plans.plan(prog, cfg)
 
 
 def softmax(
