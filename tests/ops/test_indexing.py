@@ -108,3 +108,18 @@ def test_fast_paths_are_taken():
     finally:
         access.read = orig
     assert (64, 64) not in calls
+
+
+@pytest.mark.parametrize("n_pos", [1, 16])
+def test_kv_cache_write_is_modelled_as_its_source_bytes(n_pos):
+    """cache[:, :, pos] = new (index_put with whole leading dims): the DMA moves
+    the new rows, not the cache (and not the cache once per position)."""
+    import torch_spyre.profiler as sprof
+
+    dcache = torch.zeros(1, 8, 256, 128, dtype=torch.float16).to("spyre")
+    new = torch.randn(1, 8, n_pos, 128).half().to("spyre")
+    pos = torch.arange(n_pos).to("spyre")
+    with sprof.profile() as prof:
+        dcache[:, :, pos] = new
+    (k,) = [k for k in prof.kernels if "index_put" in k.name]
+    assert k.name.endswith(f"_{new.numel() * 2}B")

@@ -73,3 +73,21 @@ def test_roofline_plot_without_matplotlib(tmp_path, monkeypatch):
         _workload()
     with pytest.raises(ImportError, match="pip install matplotlib"):
         prof.roofline_plot(str(tmp_path / "r.png"))
+
+
+def test_host_issue_and_device_are_separate_tracks():
+    from torch_spyre.profiler.profile import HOST_TID
+    from torch_spyre.sim import HardwareConfig
+
+    cfg = HardwareConfig().replace(host_dispatch_s=40e-6, host_descriptor_bytes=0)
+    with sprof.profile(cfg) as prof:
+        _workload()
+    events = prof.chrome_trace()["traceEvents"]
+    host = [e for e in events if e.get("cat") == "host"]
+    assert [e["name"] for e in host] == [f"issue {k.name}" for k in prof.kernels]
+    assert all(e["tid"] == HOST_TID for e in host)
+    assert all(e["dur"] == pytest.approx(40.0) for e in host)
+    h = prof.host_timeline()
+    assert h.kernels == 3 and h.host_issue_s == pytest.approx(120e-6)
+    assert h.end_to_end_s >= h.device_s == pytest.approx(sum(k.time_s for k in prof.kernels))
+    assert "host path" in prof.table()

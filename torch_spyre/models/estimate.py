@@ -201,6 +201,9 @@ class Estimate:
     weights_dtype: str = "float16"
     #: parameters of those quantised weights (the rest stay ``dtype``)
     quantized_params: int = 0
+    #: the host path (sim/hostpath.py, assumed parameters): device-only and
+    #: end-to-end timelines of prefill and one decode step
+    host_path: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prefill_s(self) -> float:
@@ -311,7 +314,37 @@ class Estimate:
             f"  planned in {self.plan_wall_s:.0f} s wall (compile + timing-only runs);"
             f" host fallbacks: {self.host_fallbacks}"
         )
+        lines += self._host_lines()
         return "\n".join(lines)
+
+    def _host_lines(self) -> list[str]:
+        h = self.host_path
+        if not h:
+            return []
+        a = h["assumed"]
+        out = [
+            "",
+            f"  host path (assumed: {a['host_dispatch_s'] * 1e6:.1f} us dispatch + "
+            f"{a['host_descriptor_bytes']} B descriptors per kernel, "
+            f"{'asynchronous' if a['host_async'] else 'synchronous'} issue, "
+            f"{a['host_sync_s'] * 1e6:.0f} us per token; sim/hostpath.py)",
+        ]
+        for key, label in (("prefill", "prefill"), ("decode", "decode, per token")):
+            t = h[key]
+            out.append(
+                f"  {label:<20} device-only {t['device_s'] * 1e3:>8.1f} ms   end-to-end "
+                f"{t['end_to_end_s'] * 1e3:>8.1f} ms   ({t['kernels']} kernels, host issue "
+                f"{t['host_issue_s'] * 1e3:.1f} ms: {'host' if t['host_bound'] else 'device'}"
+                " bound)"
+            )
+        for name, d in h.get("published", {}).items():
+            got = (
+                "no host cost reproduces it"
+                if d["dispatch_s"] is None
+                else (f"host dispatch {d['dispatch_s'] * 1e6:.0f} us per kernel reproduces it")
+            )
+            out.append(f"  {name}: {d['target_s'] * 1e3:.0f} ms per token: {got}")
+        return out
 
 
 # ------------------------------------------------------------------ the planning
@@ -691,4 +724,59 @@ def estimate(
         weights_dtype=str(weights or dtype).replace("torch.", ""),
         quantized_params=quant_params,
     )
+    est.host_path = host_path(est, card_cfg, published=PUBLISHED_DECODE.get(name, {}))
     return est
+
+
+#: published end-to-end decode figures (shared/hardware.md): which host path
+#: reproduces them is solved for, not assumed
+PUBLISHED_DECODE: dict[str, dict[str, float]] = {
+    "granite-3.3-8b": {
+        "IBM's stack, mid 2026 (~865 ms/token)": 865e-3,
+        "IBM's stack after the 2.4x decode speed-up (~360 ms/token)": 865e-3 / 2.4,
+    }
+}
+
+
+def _kernel_seq(parts: list[Part]) -> list[float]:
+    """Device seconds of every kernel of ``parts`` in issue order (a part's
+    copies count as one more kernel)."""
+    seq: list[float] = []
+    for p in parts:
+        ks = [t for _, t in p.kernels]
+        rest = p.time_s - sum(ks)
+        if rest > 1e-12:
+            ks.append(rest)
+        seq += ks * p.count
+    return seq
+
+
+def host_path(est: Estimate, cfg, published: dict[str, float] | None = None) -> dict[str, Any]:
+    """Device-only and end-to-end timelines of ``est`` on the host path of
+    ``cfg`` (sim/hostpath.py), and the per-kernel host cost that reproduces
+    each ``published`` end-to-end decode time."""
+    from torch_spyre.sim import hostpath
+
+    def tl(parts) -> dict[str, Any]:
+        t = hostpath.timeline(_kernel_seq(parts), cfg)
+        return {
+            "device_s": t.device_s,
+            "host_issue_s": t.host_issue_s,
+            "end_to_end_s": t.end_to_end_s,
+            "kernels": t.kernels,
+            "host_bound": t.host_bound,
+        }
+
+    decode = _kernel_seq(est.decode)
+    return {
+        "assumed": {
+            k: getattr(cfg, k)
+            for k in ("host_dispatch_s", "host_descriptor_bytes", "host_sync_s", "host_async")
+        },
+        "prefill": tl(est.prefill),
+        "decode": tl(est.decode),
+        "published": {
+            name: {"target_s": t, "dispatch_s": hostpath.dispatch_for(decode, t, cfg)}
+            for name, t in (published or {}).items()
+        },
+    }

@@ -59,7 +59,9 @@ def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
     if name in ("_index_put_impl_.default", "index_put_.default"):
         x, indices = args[0], args[1]
         meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
-        idx = [None if i is None else torch.empty(i.shape, dtype=i.dtype, device="meta")
+        # an index_put index of None is a whole dim (a Python index of None
+        # would be a new axis)
+        idx = [slice(None) if i is None else torch.empty(i.shape, dtype=i.dtype, device="meta")
                for i in indices]  # fmt: skip
         try:
             return meta[tuple(idx)].numel() * x.element_size()

@@ -90,6 +90,18 @@ class Profile:
         """Modelled time of everything collected (cards run one record at a time)."""
         return self.kernel_time_s + self.transfer_time_s
 
+    def _host_config(self) -> HardwareConfig:
+        return self._config or HardwareConfig.from_env()
+
+    def host_timeline(self, card: int | None = None):
+        """The profiled kernels (of ``card``; default: all) on the host path's
+        timeline (``sim/hostpath.py``, assumed host costs): device-only and
+        end-to-end time, the host's issue work."""
+        from torch_spyre.sim import hostpath
+
+        ks = [k.time_s for k in self.kernels if card is None or k.card == card]
+        return hostpath.timeline(ks, self._host_config(), sync=False)
+
     def table(self, sort_by: str = "time") -> str:
         """Kernels grouped by name, then transfers by kind, as a text table."""
         groups: dict[str, list[KernelEntry]] = {}
@@ -149,6 +161,14 @@ class Profile:
             f"total modelled time {self.total_time_s * 1e6:.2f} us "
             f"(kernels {self.kernel_time_s * 1e6:.2f} us, transfers {self.transfer_time_s * 1e6:.2f} us)"
         )
+        if self.kernels:
+            h = self.host_timeline()
+            lines.append(
+                f"host path (assumed costs, sim/hostpath.py): issue {h.kernels} kernels "
+                f"{h.host_issue_s * 1e6:.2f} us; kernels end to end {h.end_to_end_s * 1e6:.2f} us "
+                f"vs device-only {h.device_s * 1e6:.2f} us "
+                f"({'host' if h.host_bound else 'device'} bound)"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -203,7 +223,42 @@ class Profile:
                         "args": args,
                     }
                 )
+        self._host_track(events)
         return {"traceEvents": events, "displayTimeUnit": "ns"}
+
+    def _host_track(self, events: list[dict[str, Any]]) -> None:
+        """Per card, a "host issue" track: each kernel's modelled issue on the
+        host (sim/hostpath.py), asynchronous, from the card's first kernel
+        on; where the issue lands after the kernel's device start, the card
+        would have waited that long (args ``card_waits_us``)."""
+        from torch_spyre.sim import hostpath
+
+        cfg = self._host_config()
+        per = hostpath.issue_cost(cfg)
+        by_card: dict[int, list[KernelRecord]] = {}
+        for r in self.records:
+            if isinstance(r, KernelRecord):
+                by_card.setdefault(r.card, []).append(r)
+        for card, recs in by_card.items():
+            tid = HOST_TID
+            events.append(_meta("thread_name", card, tid, {"name": "host issue (modelled)"}))
+            events.append(_meta("thread_sort_index", card, tid, {"sort_index": -1}))
+            host = max(0.0, recs[0].start_s - per - cfg.pcie_latency_s)
+            for r in recs:
+                ready = host + per + cfg.pcie_latency_s
+                events.append(
+                    {
+                        "name": f"issue {r.report.name}",
+                        "cat": "host",
+                        "ph": "X",
+                        "pid": card,
+                        "tid": tid,
+                        "ts": host * 1e6,
+                        "dur": per * 1e6,
+                        "args": {"card_waits_us": max(0.0, ready - r.start_s) * 1e6},
+                    }
+                )
+                host += per
 
     def export_chrome_trace(self, path: str) -> None:
         with open(path, "w") as f:
@@ -259,6 +314,10 @@ class Profile:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+#: the chrome trace's track of the modelled host issue, per card
+HOST_TID = 100000
 
 
 def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:

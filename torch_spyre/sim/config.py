@@ -176,6 +176,20 @@ class HardwareConfig:
     sfu_reduction_cycles: float = 1.0
     #: ... plus this many per output element (cross-lane tree, log2(64)).
     sfu_reduction_tree_cycles: float = 6.0
+    # ------------------------------------ host path (assumed: sim/hostpath.py)
+    #: host CPU time to issue one kernel of a compiled graph (assumed: the
+    #: wrapper's call, argument marshalling and the runtime's enqueue; no
+    #: published figure for a lean runtime: 5 us; IBM's mid-2026 stack is
+    #: reproduced by ~1 ms, see docs/models.md)
+    host_dispatch_s: float = 5e-6
+    #: bytes of descriptors / program per kernel written over PCIe (assumed)
+    host_descriptor_bytes: int = 4096
+    #: per generated token: the host waits for the token id and samples
+    #: (assumed: one d2h round trip plus sampling, 20 us)
+    host_sync_s: float = 20e-6
+    #: 1: the host issues kernel i+1 while the card runs kernel i; 0: it waits
+    #: for each kernel (a synchronous runtime)
+    host_async: int = 1
 
     # ----------------------------------------------------------- checks
     def __post_init__(self) -> None:
@@ -187,6 +201,8 @@ class HardwareConfig:
                 raise HardwareConfigError(f"HardwareConfig.{f.name} must be a number, got {v!r}")
             zero_ok = f.name in {"dma_setup_cycles", "ring_hop_cycles", "launch_overhead_s"}
             zero_ok |= f.name in {"pcie_latency_s", "sfu_reduction_tree_cycles"}
+            zero_ok |= f.name in {"host_dispatch_s", "host_descriptor_bytes", "host_sync_s"}
+            zero_ok |= f.name == "host_async"
             if v < 0 or (v == 0 and not zero_ok):
                 raise HardwareConfigError(f"HardwareConfig.{f.name} must be positive, got {v!r}")
         if self.dram_efficiency > 1:
