@@ -70,7 +70,7 @@ CONFIGS = {
 }
 
 
-def _serve_greedy(arch, tmp_path, hf_greedy, **llm_kwargs) -> None:
+def _serve_greedy(arch, tmp_path, hf_greedy, inspect=None, **llm_kwargs) -> None:
     """3 prompts of 5, 12 and 23 tokens, 12 greedy tokens each, submitted
     together: equal to transformers on the CPU, no host fallback."""
     from vllm import LLM, SamplingParams
@@ -94,6 +94,8 @@ def _serve_greedy(arch, tmp_path, hf_greedy, **llm_kwargs) -> None:
         assert torch_spyre.fallback_counts() == {}
         for p, o in zip(prompts, outs):
             assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, 12), (arch, p)
+        if inspect is not None:
+            inspect(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -125,7 +127,26 @@ def test_granitemoehybrid_eager_chunked_prefill(tmp_path, hf_greedy, monkeypatch
     # the engine core runs in this process (no multiprocessing in these tests)
     monkeypatch.setattr(mamba, "build_indices", recording)
     _serve_greedy(
-        "granitemoehybrid", tmp_path, hf_greedy, enforce_eager=True, max_num_batched_tokens=16
-    )
+        "granitemoehybrid", tmp_path, hf_greedy, inspect=_cache_within_budget,
+        enforce_eager=True, max_num_batched_tokens=16,
+    )  # fmt: skip
     assert any(d and p for d, p, _ in steps), steps  # decodes and prefills in one step
     assert any(1.0 in init for _, _, init in steps), steps  # a prefill continuing a state
+
+
+def _cache_within_budget(llm) -> None:
+    """The card tensors of the hybrid cache (paged KV + Mamba states) take
+    kv_cache_memory_bytes (8 MiB, to a block), not vLLM's shared-buffer estimate."""
+    from torch_spyre.vllm_plugin.mamba import SpyreMambaMixer2
+    from torch_spyre.vllm_plugin.model_runner import _device_bytes
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    runner = runner.model_runner
+    tensors = list(runner.kv_caches)
+    for m in runner.model.modules():
+        if isinstance(m, SpyreMambaMixer2):
+            assert all(t.device.type == "spyre" for t in m.kv_cache)
+            tensors += list(m.kv_cache)
+    assert len(tensors) == 3  # one attention layer's pages, one Mamba layer's conv + ssm
+    used = sum(_device_bytes(t) for t in tensors)
+    assert 0.8 * (8 << 20) <= used <= 1.01 * (8 << 20), used  # was 2.5x before scaling

@@ -329,6 +329,38 @@ def allocate_states(spec: MambaSpec, num_blocks: int) -> tuple[torch.Tensor, ...
     )
 
 
+def hybrid_cache_budget(vllm_config, specs: dict, budget: int) -> int:
+    """The budget to report to vLLM so that the card tensors of a hybrid model
+    take about ``budget`` bytes.
+
+    vLLM sizes ``num_blocks`` as if the groups' layers shared one buffer per
+    block (``get_kv_cache_config_from_groups``), Mamba pages padded to the
+    attention page; here every layer has its own card tensors
+    (``allocate_states`` and the paged KV), each padded to whole sticks.  The
+    budget is scaled by vLLM's bytes per block over the card's."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+
+    from torch_spyre.layout import SpyreTensorLayout
+
+    if not any(isinstance(s, MambaSpec) for s in specs.values()) or budget <= 0:
+        return budget
+    groups = get_kv_cache_groups(vllm_config, specs)
+    n = get_kv_cache_config_from_groups(vllm_config, groups, budget).num_blocks
+    if n <= 0:
+        return budget
+    card = 0
+    for spec in specs.values():
+        if isinstance(spec, MambaSpec):
+            shapes = [((n, *sh), dt) for sh, dt in zip(spec.shapes, spec.dtypes)]
+        else:
+            shapes = [((2, n, spec.block_size, spec.num_kv_heads, spec.head_size), spec.dtype)]
+        card += sum(SpyreTensorLayout.default(sh, dt).nbytes for sh, dt in shapes)
+    return int(budget * budget / max(card, 1))
+
+
 # -- registration ------------------------------------------------------------------
 _registered: list[bool] = []
 
