@@ -127,18 +127,24 @@ def test_granitemoehybrid_eager_chunked_prefill(tmp_path, hf_greedy, monkeypatch
     # the engine core runs in this process (no multiprocessing in these tests)
     monkeypatch.setattr(mamba, "build_indices", recording)
     _serve_greedy(
-        "granitemoehybrid", tmp_path, hf_greedy, inspect=_cache_within_budget,
+        "granitemoehybrid", tmp_path, hf_greedy, inspect=_mamba_on_the_card,
         enforce_eager=True, max_num_batched_tokens=16,
     )  # fmt: skip
     assert any(d and p for d, p, _ in steps), steps  # decodes and prefills in one step
     assert any(1.0 in init for _, _, init in steps), steps  # a prefill continuing a state
 
 
-def _cache_within_budget(llm) -> None:
-    """The card tensors of the hybrid cache (paged KV + Mamba states) take
+def _mamba_on_the_card(llm) -> None:
+    """The Mamba layer ran the card's programs (not their host references), and
+    the card tensors of the hybrid cache (paged KV + Mamba states) take
     kv_cache_memory_bytes (8 MiB, to a block), not vLLM's shared-buffer estimate."""
+    from torch_spyre.runtime import dispatch_stats
     from torch_spyre.vllm_plugin.mamba import SpyreMambaMixer2
     from torch_spyre.vllm_plugin.model_runner import _device_bytes
+
+    ran = dispatch_stats.counts("kernel")
+    for op in ("ssd_chunk_scan", "ssm_step", "rmsnorm_gated", "convolution_overrideable.default"):
+        assert ran.get(op, 0) > 0, (op, sorted(ran))
 
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     runner = runner.model_runner
