@@ -187,33 +187,9 @@ class SpyreMambaMixer2(MambaMixer2):
             return
         super().bind_kv_cache(kv_cache)
 
-    def forward(self, hidden_states: torch.Tensor, mup_vector: torch.Tensor | None = None):
-        """vLLM's forward, with the gated norm inside the opaque mixer op: in a
-        compiled forward the gate (a column slice of the in_proj output, 2I +
-        conv_dim + heads wide, not whole sticks) is then cut eagerly; the
-        compiler cannot plan that slice as a kernel program."""
-        from vllm.utils.torch_utils import _encode_layer_name
-
-        projected, _ = self.in_proj(hidden_states)
-        if mup_vector is not None:
-            projected = projected * mup_vector
-        normed = torch.empty(
-            (hidden_states.shape[0], self.tped_intermediate_size),
-            dtype=hidden_states.dtype,
-            device=hidden_states.device,
-        )
-        torch.ops.vllm.mamba_mixer2(projected, normed, _encode_layer_name(self.prefix))
-        out, _ = self.out_proj(normed)
-        return out
-
     def conv_ssm_forward(self, projected_states: torch.Tensor, output: torch.Tensor) -> None:
-        """conv + SSM + the gated norm into ``output`` (see ``forward``)."""
-        y = torch.empty_like(output)
-        self._conv_ssm(projected_states, y)
-        gate = projected_states[..., : self.tped_intermediate_size]
-        output.copy_(self.norm(y, gate.contiguous()))
-
-    def _conv_ssm(self, projected_states: torch.Tensor, output: torch.Tensor) -> None:
+        """What vLLM's Triton kernels do, on the card (module docstring); vLLM's
+        ``forward`` (projections, the gated norm) is unchanged."""
         from vllm.forward_context import get_forward_context
 
         raw = get_forward_context().attn_metadata
