@@ -72,9 +72,10 @@ def register_ops() -> None:
     # Only when spyre is the platform: the layers assume spyre tensors.
     if getattr(current_platform, "device_name", None) != "spyre":
         return
-    from torch_spyre.vllm_plugin import layers, metrics, models, quantization
+    from torch_spyre.vllm_plugin import layers, mamba, metrics, models, quantization
 
     layers.register()
+    mamba.register()  # Mamba-2 mixer, gated norm and backend of hybrid models
     quantization.register()  # fp8 linear layers on the card
     models.register()
     metrics.install_api_server_collector()

@@ -8,7 +8,8 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
   buffer (rotary table included) lives in device memory. A forward pre-hook moves
   the step's token ids and positions to the card.
 * ``initialize_kv_cache_tensors``: one paged KV tensor per attention layer in
-  device memory, in the layout of attention.py.
+  device memory, in the layout of attention.py; a (conv, ssm) state pair per
+  Mamba layer of hybrid models (mamba.py).
 * ``_model_forward``: the forward compiled per token bucket (compile.py), unless
   ``TORCH_SPYRE_VLLM_COMPILE=0``;
 * every step's modelled device time (``torch.spyre.modelled_time_s``) is logged
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -76,6 +77,9 @@ class SpyreModelRunner(CPUModelRunner):
         user_eager = isinstance(extra, dict) and extra.get("spyre_eager", False)
         # vLLM's layers call attention through its custom ops, compiled or not
         compile_mod.register_spyre_attention_ops()
+        from torch_spyre.vllm_plugin import mamba
+
+        mamba.register_mixer_op()  # hybrid models' Mamba-2 layers, same way
         if compile_mod.enabled(pooling=self.is_pooling_model) and not user_eager:
             self.compiled = CompiledForward(
                 self.model, self.scheduler_config.max_num_batched_tokens
@@ -204,22 +208,38 @@ class SpyreModelRunner(CPUModelRunner):
         kernel_block_sizes: list[int],
         kv_cache_allocation_context: AbstractContextManager | None = None,
     ) -> dict[str, torch.Tensor]:
+        """Paged KV tensors for attention layers, (conv, ssm) state tensors for
+        Mamba layers (hybrid models: mamba.py), each its own card tensor.
+
+        vLLM's GPU runner overlays the groups' layers in one int8 buffer
+        (``allocate_kv_cache``); card tensors are laid out in sticks, so their
+        bytes cannot be reinterpreted as another layer's views: the block ids
+        of every group index their own tensors instead."""
+        from torch_spyre.vllm_plugin import mamba
         from torch_spyre.vllm_plugin.attention import SpyreAttentionBackend
 
         before = torch.spyre.memory_allocated()
         kv_caches: dict[str, torch.Tensor] = {}
+        states: dict[str, tuple[torch.Tensor, ...]] = {}
         num_blocks = kv_cache_config.num_blocks
+        block_size = None
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec):
+                for name in group.layer_names:
+                    states[name] = mamba.allocate_states(spec, num_blocks)
+                continue
             if not isinstance(spec, AttentionSpec):
                 raise NotImplementedError(
-                    f"spyre: KV cache group of type {type(spec).__name__} is not supported"
+                    f"spyre: KV cache group of type {type(spec).__name__} is not supported "
+                    "(attention and Mamba state groups are)"
                 )
             if kernel_block_sizes and kernel_block_sizes[gid] != spec.block_size:
                 raise NotImplementedError(
                     f"spyre: kernel block size {kernel_block_sizes[gid]} != block size "
                     f"{spec.block_size}"
                 )
+            block_size = spec.block_size
             shape = SpyreAttentionBackend.get_kv_cache_shape(
                 num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
             )
@@ -235,20 +255,27 @@ class SpyreModelRunner(CPUModelRunner):
             self.kv_caches,
             kv_cache_groups=kv_cache_config.kv_cache_groups,
         )
+        ctx = self.compilation_config.static_forward_context
+        for name, st in states.items():
+            ctx[name].bind_kv_cache(st)  # SpyreMambaMixer2 takes the tuple
         first = next(iter(kv_caches.values()), None)
         logger.info(
-            "spyre: paged KV cache in device memory: %d layers x %d blocks of %d tokens, "
-            "%.1f MiB; per layer %s = [k/v, block, token, kv_head, head_dim]",
+            "spyre: paged KV cache in device memory: %d layers x %d blocks of %s tokens; "
+            "per layer %s = [k/v, block, token, kv_head, head_dim]; %d Mamba layers' state "
+            "%s = [block, ...]; %.1f MiB in all",
             len(kv_caches),
             num_blocks,
-            kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
-            (torch.spyre.memory_allocated() - before) / 2**20,
+            block_size,
             None if first is None else list(first.shape),
+            len(states),
+            [list(t.shape) for t in next(iter(states.values()), ())],
+            (torch.spyre.memory_allocated() - before) / 2**20,
         )
         return kv_caches
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
         # Layout [2, num_blocks, ...]: the block is dim 1 (CPUModelRunner assumes 0).
+        # Mamba states need no zeroing: a new request starts from zeros (mamba.py).
         if not block_ids:
             return
         idx = torch.tensor(block_ids, dtype=torch.int64, device=SPYRE)

@@ -140,6 +140,7 @@ class SpyrePlatform(Platform):
         cache = vllm_config.cache_config
         if not cache.user_specified_block_size:
             cache.block_size = DEFAULT_BLOCK_SIZE
+        _one_state_block_per_request(vllm_config)
         env_kv = os.environ.get("TORCH_SPYRE_VLLM_KV_CACHE_BYTES")
         if env_kv and cache.kv_cache_memory_bytes is None:
             cache.kv_cache_memory_bytes = int(env_kv)
@@ -173,8 +174,33 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # attention pages and Mamba state in separate card tensors (mamba.py)
+        return True
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
+
+
+def _one_state_block_per_request(vllm_config: VllmConfig) -> None:
+    """Hybrid (Mamba + attention) models: vLLM's ``mamba_cache_mode="none"``,
+    one Mamba state block per request.  Prefix caching would pick "align"
+    (states copied between blocks at block boundaries), which the spyre runner
+    does not implement; so it is turned off for these models."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None or not getattr(model, "is_hybrid", False):
+        return
+    if cache.mamba_cache_mode == "none" and not cache.enable_prefix_caching:
+        return
+    if cache.mamba_cache_mode not in ("none", "align"):
+        raise NotImplementedError(
+            f"spyre: mamba_cache_mode={cache.mamba_cache_mode!r}; the card keeps one Mamba "
+            "state per request (mamba_cache_mode='none', no prefix caching)"
+        )
+    logger.info(
+        "spyre: hybrid model: prefix caching off, one Mamba state block per request "
+        "(mamba_cache_mode='none')"
+    )
+    cache.enable_prefix_caching = False
+    cache.mamba_cache_mode = "none"
+    cache.mamba_block_size = model.max_model_len

@@ -134,4 +134,18 @@ class SpyreWorker(CPUWorker):
             free / 2**20,
             total / 2**20,
         )
-        return size
+        from torch_spyre.vllm_plugin.mamba import hybrid_cache_budget
+
+        # hybrid models: every layer has its own card tensors, which vLLM's
+        # block count would overshoot (mamba.py); vLLM is told the scaled figure
+        reported = hybrid_cache_budget(
+            self.vllm_config, self.model_runner.get_kv_cache_spec(), size
+        )
+        if reported != size:
+            logger.info(
+                "spyre: hybrid model: %.1f MiB reported to vLLM's block count, so that its "
+                "per-layer attention pages and Mamba states take %.1f MiB on the card",
+                reported / 2**20,
+                size / 2**20,
+            )
+        return reported

@@ -1,4 +1,5 @@
-"""Model classes vLLM lacks, registered for the spyre platform."""
+"""Model classes vLLM lacks (and spyre variants of a few of its own), registered
+for the spyre platform."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ from __future__ import annotations
 MODELS = {
     "MPNetForMaskedLM": "torch_spyre.vllm_plugin.models.mpnet:MPNetEmbeddingModel",
     "MPNetModel": "torch_spyre.vllm_plugin.models.mpnet:MPNetEmbeddingModel",
+}
+
+#: vLLM's own classes replaced by a spyre variant (why: in each module)
+OVERRIDES = {
+    "GraniteMoeHybridForCausalLM": (
+        "torch_spyre.vllm_plugin.models.granitemoehybrid:SpyreGraniteMoeHybridForCausalLM"
+    ),
 }
 
 
@@ -16,3 +24,5 @@ def register() -> None:
     for arch, path in MODELS.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, path)
+    for arch, path in OVERRIDES.items():
+        ModelRegistry.register_model(arch, path)
