@@ -79,6 +79,23 @@ class SpyreCCL(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "spyreccl"
 
+    # c10d names a group through its backends; a Python group keeps its own
+    # (destroy_process_group unregisters by this name)
+    _name = ""
+    _desc = ""
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
     def __repr__(self) -> str:
         return f"SpyreCCL(rank={self.rank()}, size={self.size()})"
 
