@@ -155,3 +155,44 @@ def test_platform_uses_spyreccl():
 
     assert SpyrePlatform.dist_backend == "spyreccl"
     assert SpyrePlatform.get_device_communicator_cls().endswith("SpyreCommunicator")
+
+
+def _complete(base: str, prompt: list[int]) -> list[int]:
+    import urllib.request
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+@pytest.mark.slow  # a server with 2 or 4 worker processes (~40-70 s)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vllm_serve_tp(tp, tmp_path, vllm_server, monkeypatch, hf_greedy):
+    """`vllm serve --tensor-parallel-size N`: tokens equal one card and the CPU;
+    the collective series on the server's /metrics."""
+    import urllib.request
+
+    model_dir, ref = _model(tmp_path, CONFIGS["llama"]())
+    one_card = _tp1(model_dir)
+    # the server picks its own metrics port (not this process's in-process engine's)
+    monkeypatch.delenv("TORCH_SPYRE_VLLM_METRICS_PORT", raising=False)
+    monkeypatch.delenv("_TORCH_SPYRE_VLLM_METRICS_PROXY_PID", raising=False)
+    base, _, log = vllm_server(
+        model_dir, "--served-model-name", "tiny", "--skip-tokenizer-init",
+        "--tensor-parallel-size", str(tp), "--dtype", "float32", "--max-model-len", "128",
+        "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager",
+        env={"TORCH_SPYRE_NUM_CARDS": str(tp), "OMP_NUM_THREADS": "1",
+             "TORCH_SPYRE_VLLM_LOG_STEPS": "1",
+             "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(":")},
+    )  # fmt: skip
+    tokens = [_complete(base, p) for p in _prompts()]
+    assert tokens == one_card == [hf_greedy(ref, p, 10) for p in _prompts()]
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r"^spyre:collective_modelled_seconds_total ([\d.e+-]+)$", text, re.M)
+    assert m and float(m.group(1)) > 0, text[-2000:]
+    _check(log.read_text(), tp)
