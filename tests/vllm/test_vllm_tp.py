@@ -131,6 +131,17 @@ def test_tp4_llama(tmp_path, hf_greedy):
     _check(log, 4)
 
 
+@pytest.mark.slow  # eight worker processes (~45 s on two cores)
+def test_tp8_llama(tmp_path, hf_greedy):
+    """A full system: 8 cards, 8 query and KV heads, one each per card."""
+    wide = {**TINY, "hidden_size": 256, "intermediate_size": 512}
+    wide.update(num_attention_heads=8, num_key_value_heads=8)
+    model_dir, ref = _model(tmp_path, transformers.LlamaConfig(**wide))
+    tokens, log = run_tp(model_dir, 8, eager=True)
+    assert tokens == [hf_greedy(ref, p, 10) for p in _prompts()]
+    _check(log, 8)
+
+
 def test_tp_needs_cards():
     """More tensor-parallel ranks than cards: an error that says what to set."""
     from torch_spyre.vllm_plugin.platform import _check_parallel
