@@ -68,6 +68,10 @@ class Case:
     io_bytes: int
     cores: int | None = None  # None: the whole card
     modes: tuple[str, ...] = ("optimised", "naive")
+    #: dtype of each input (default all fp16); 8-bit weights come with fp32 scales
+    dtypes: tuple[torch.dtype, ...] | None = None
+    #: the PE rate of the case's matmuls: (a, b) operand dtypes (8-bit x 8-bit: 2x)
+    pe_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float16, torch.float16)
 
 
 def _linear(x, w):
@@ -91,6 +95,16 @@ def _layernorm(x, w, b):
 
 def _swiglu(x, wg, wu, wd):
     return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def _w8a16(x, w, s):
+    # weight-only 8-bit: the weight streamed as 8-bit data, dequantised in LX
+    return torch.ops.spyre.quantized_linear(x, w, s)
+
+
+def _w8a8(a, w, sa, sw):
+    # both operands fp8: the PE array at its 8-bit rate, scales in the epilogue
+    return torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw, out_dtype=FP16)
 
 
 def _attention(q, k, v):
@@ -172,6 +186,7 @@ def cases() -> list[Case]:
             modes=("optimised", "unfused", "naive"),
         )
     )
+    out += _eight_bit_cases()
     s, nh, d = 1024, 32, 128
     out.append(
         Case(
@@ -184,6 +199,51 @@ def cases() -> list[Case]:
             _nbytes(*[(1, nh, s, d)] * 4),
         )
     )
+    return out
+
+
+def _eight_bit_cases() -> list[Case]:
+    """The GEMV and prefill projections with fp8 weights (issue 17): W8A16 (one
+    fp32 scale per output channel, activations fp16) and W8A8 ``_scaled_mm``
+    (per-tensor scales).  Compulsory bytes count the weight at 1 byte."""
+    f8, f32 = torch.float8_e4m3fn, torch.float32
+    out = []
+    for n in (4096, 12800):
+        out.append(
+            Case(
+                f"decode GEMV W8A16 K=4096 N={n}",
+                "gemv",
+                [(1, 4096), (n, 4096), (n,)],
+                _w8a16,
+                2.0 * n * 4096,
+                2 * 4096 + n * 4096 + 4 * n + 2 * n,
+                dtypes=(FP16, f8, f32),
+            )
+        )
+    for m, k, n in ((1024, 4096, 4096), (1024, 4096, 12800)):
+        out.append(
+            Case(
+                f"prefill W8A16 M={m} K={k} N={n}",
+                "matmul",
+                [(m, k), (n, k), (n,)],
+                _w8a16,
+                2.0 * m * n * k,
+                2 * m * k + n * k + 4 * n + 2 * m * n,
+                dtypes=(FP16, f8, f32),
+            )
+        )
+        out.append(
+            Case(
+                f"prefill W8A8 M={m} K={k} N={n}",
+                "matmul",
+                [(m, k), (n, k), (), ()],
+                _w8a8,
+                2.0 * m * n * k,
+                m * k + n * k + 2 * m * n + 8,
+                dtypes=(f8, f8, f32, f32),
+                pe_dtypes=(f8, f8),
+            )
+        )
     return out
 
 
@@ -224,11 +284,18 @@ class Result:
     targets: list[dict]
 
 
-def _inputs(shapes: list[tuple[int, ...]], execute: bool) -> list[torch.Tensor]:
-    if not execute:  # values unused: timed, not executed
-        return [torch.empty(s, dtype=FP16, device="spyre") for s in shapes]
+def _inputs(case: Case, execute: bool) -> list[torch.Tensor]:
+    dtypes = case.dtypes or (FP16,) * len(case.shapes)
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(s, generator=g) / math.sqrt(s[-1])).to(FP16).to("spyre") for s in shapes]
+    out = []
+    for s, dt in zip(case.shapes, dtypes, strict=True):
+        if dt == torch.float32:  # scales: values matter to nothing but the numbers
+            out.append(torch.rand(s, generator=g).add(0.5).div(64).to("spyre"))
+        elif not execute:  # values unused: timed, not executed
+            out.append(torch.empty(s, dtype=dt, device="spyre"))
+        else:
+            out.append((torch.randn(s, generator=g) / math.sqrt(s[-1])).to(dt).to("spyre"))
+    return out
 
 
 def measure(case: Case, mode: str, execute: bool = False) -> Figures:
@@ -238,7 +305,7 @@ def measure(case: Case, mode: str, execute: bool = False) -> Figures:
         "naive": {"naive": True},
         "unfused": {"fusion": False},
     }[mode]
-    args = _inputs(case.shapes, execute)
+    args = _inputs(case, execute)
     torch._dynamo.reset()
 
     def fn(*a):  # a fresh function object: Dynamo compiles it anew
@@ -289,7 +356,7 @@ class _nullcontext:
 def evaluate(case: Case, plans: dict[str, Figures]) -> Result:
     cfg = cards.config(0)
     cores = case.cores or cfg.cores
-    pe = case.flops / cfg.peak_flops(FP16, cores)
+    pe = case.flops / cfg.peak_flops(case.pe_dtypes[0], cores, case.pe_dtypes[1])
     mem = case.io_bytes / cfg.sustained_bandwidth_Bps
     mem_peak = case.io_bytes / cfg.memory_bandwidth_Bps
     vec = plans["optimised"].vector_ops / (cfg.peak_vector_ops() * cores / cfg.cores)

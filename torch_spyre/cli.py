@@ -2,7 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL [--prompt N] [--new-tokens N] [--json out.json]
+    spyre estimate MODEL [--prompt N] [--new-tokens N] [--dtype fp16|fp8|int8] [--json out.json]
 
 ``validate`` exits 1 when a validation threshold is missed.
 """
@@ -72,8 +72,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``spyre estimate --dtype``: the decoder layers' weight type (None: fp16 like the rest)
+_WEIGHTS = {"fp16": None, "fp8": "float8_e4m3fn", "int8": "int8"}
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import json
+
+    import torch
 
     import torch_spyre
     from torch_spyre.models import estimate
@@ -82,7 +88,13 @@ def _estimate(args: argparse.Namespace) -> int:
     names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
     results = []
     for name in names:
-        est = estimate.estimate(name, prompt=args.prompt, new_tokens=args.new_tokens)
+        wdt = _WEIGHTS[args.dtype]
+        est = estimate.estimate(
+            name,
+            prompt=args.prompt,
+            new_tokens=args.new_tokens,
+            weights=None if wdt is None else getattr(torch, wdt),
+        )
         print(est.format())
         print()
         results.append(est.to_json())
@@ -126,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--prompt", type=int, default=1024, help="prefill tokens (batch 1)")
     e.add_argument(
         "--new-tokens", type=int, default=128, help="decode budget: sizes the static KV cache"
+    )
+    e.add_argument(
+        "--dtype",
+        choices=sorted(_WEIGHTS),
+        default="fp16",
+        help="decoder-layer weights: fp16, or 8-bit (fp8 e4m3 / int8, per-channel scales, "
+        "dequantised in LX; activations, embedding and LM head stay fp16)",
     )
     e.add_argument("--json", default=None, help="write the estimate(s) as JSON here")
     e.set_defaults(func=_estimate)

@@ -45,6 +45,8 @@ class DataFormats(enum.Enum):
     SEN169_FP16 = "float16"  # the card's 16-bit float (IBM's DL16 slot)
     BFLOAT16 = "bfloat16"
     IEEE_FP32 = "float32"
+    SEN143_FP8 = "float8_e4m3fn"  # 1 sign, 4 exponent, 3 mantissa bits
+    SEN152_FP8 = "float8_e5m2"  # 1 sign, 5 exponent, 2 mantissa bits
     SENINT8 = "int8"
     SENUINT8 = "uint8"
     SENINT16 = "int16"
@@ -578,6 +580,45 @@ CONSTANTS: dict[str, Any] = {
 }
 
 
+# ------------------------------------------------------- IBM's fp8 ops
+#: IBM's torch.ops.spyre fp8 ops over ours (torch_spyre/ops/quantized.py), with
+#: IBM's semantics (its spyre-inference tests/test_fp8.py reference):
+#: quantize = (x / scale).clamp(-FP8_E4M3FN_MAX, FP8_E4M3FN_MAX).to(float8_e4m3fn),
+#: dequantize = x_fp8.to(float16) * scale (float16 out); the scale broadcasts
+#: against the input (IBM: [1] per tensor or [batch, seq, 1] per token).
+#: ``quantize_weight_fp8_with_scale`` gives the same values (IBM's weight
+#: layout, QFP8WT, is a layout of IBM's compiler; ours is the one stick layout).
+#: ``qfp8ch`` / ``qfp8wt`` are the format conversion alone (input already
+#: scaled and clamped).  Composite ops: one device kernel eagerly, and what
+#: torch.compile traces into the compiler's programs.
+_IBM_FP8_OPS = {
+    "quantize_fp8_with_scale(Tensor input, Tensor scale) -> Tensor": (
+        lambda input, scale: torch.ops.spyre.quantize(input, scale, torch.float8_e4m3fn)
+    ),
+    "quantize_weight_fp8_with_scale(Tensor input, Tensor scale) -> Tensor": (
+        lambda input, scale: torch.ops.spyre.quantize(input, scale, torch.float8_e4m3fn)
+    ),
+    "dequantize_fp8_with_scale(Tensor input, Tensor scale) -> Tensor": (
+        lambda input, scale: torch.ops.spyre.dequantize(input, scale, torch.float16)
+    ),
+    "qfp8ch(Tensor input) -> Tensor": lambda input: input.to(torch.float8_e4m3fn),
+    "qfp8wt(Tensor input) -> Tensor": lambda input: input.to(torch.float8_e4m3fn),
+}
+_ibm_lib: list[torch.library.Library] = []
+
+
+def _install_fp8_ops() -> None:
+    if _ibm_lib:
+        return
+    import torch_spyre.ops.quantized  # noqa: F401  (defines spyre::quantize, dequantize)
+
+    lib = torch.library.Library("spyre", "FRAGMENT")
+    for schema, fn in _IBM_FP8_OPS.items():
+        lib.define(schema)
+        lib.impl(schema.split("(")[0], fn, "CompositeImplicitAutograd")
+    _ibm_lib.append(lib)
+
+
 # ----------------------------------------------------------------- install
 def install() -> None:
     """Put IBM's names in place (idempotent)."""
@@ -605,6 +646,7 @@ def install() -> None:
     ):
         setattr(spyre, name, value)
     _install_device_layout()
+    _install_fp8_ops()
     # IBM's runtime exports the number of visible cards; IBM's clients read it
     # (without importing torch_spyre) to decide whether a card is there.
     os.environ["AIU_WORLD_SIZE"] = str(spyre.device_count())

@@ -39,6 +39,9 @@ def _fp16_format_from_env() -> str:
 #: stack maps both to SEN169_FP16.  docs/hardware-model.md says when which.
 FP16_FORMAT = _fp16_format_from_env()
 _HALF = (torch.float16, torch.bfloat16)
+#: the 8-bit floats device memory stores (quantised data: no arithmetic on them
+#: outside the quantised kernels, torch_spyre/ops/quantized.py)
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: ``copy(src, dst) -> bool``: a faster ``dst.copy_(src)`` for a permuted view of
 #: device memory into a contiguous host tensor, or False where it does not
@@ -48,12 +51,16 @@ fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
 #: Host dtypes that device memory stores, and how.  Every one is stored
 #: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used
-#: by vector ops), the integer types (int64 keeps its full range: 16 per
-#: stick) and bool (one byte each).  Kernels decide how they compute on them.
+#: by vector ops), the 8-bit floats of quantised weights and activations
+#: (fp8 e4m3 and e5m2, IBM's SEN143_FP8 / SEN152_FP8, 128 per stick), the
+#: integer types (int64 keeps its full range: 16 per stick) and bool (one
+#: byte each).  Kernels decide how they compute on them.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
     torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
     torch.int8,
     torch.uint8,
     torch.int16,

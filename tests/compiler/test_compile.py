@@ -250,13 +250,23 @@ def test_mlp_plan_is_one_pe_array_program_with_its_epilogue():
 
 
 def test_unsupported_op_fails_with_a_message_naming_it():
-    # a shuffle of lanes that is not a cat of slices: masked loads, no plan yet
+    # a cat of computed pieces wider than the lane-scatter rewrite takes
+    # (passes._MAX_CAT): masked loads, no plan
     def shuffle(x):
-        return torch.cat((x[..., 32:] * 2, x[..., :32].exp()), -1)
+        return torch.cat((x[..., 640:] * 2, x[..., :640].exp()), -1)
 
     cf = torch.compile(shuffle, fullgraph=True, dynamic=False)
     with pytest.raises(Exception, match="cannot plan .* kernel program: op 'masked'"):
-        cf(torch.randn(4, 64, dtype=H).to("spyre"))
+        cf(torch.randn(4, 1280, dtype=H).to("spyre"))
+
+
+def test_cat_of_computed_pieces_along_the_stick_dim_is_a_lane_scatter():
+    def shuffle(x):
+        return torch.cat((x[..., 32:] * 2, x[..., :32].exp()), -1)
+
+    x = torch.randn(4, 64, dtype=H)
+    got = torch.compile(shuffle, fullgraph=True, dynamic=False)(x.to("spyre"))
+    torch.testing.assert_close(got.cpu().float(), shuffle(x.float()), **tolerances(H))
 
 
 def test_constant_fills_are_kernels():

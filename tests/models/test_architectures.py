@@ -133,13 +133,39 @@ def test_rotary_table_equals_stock_module() -> None:
 
 
 def test_unadapted_architecture_warns_once() -> None:
-    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)
-    models._warned.discard("GPT2Config")
-    with pytest.warns(UserWarning, match="no adapter for GPT2Config"):
+    cfg = transformers.OPTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64, vocab_size=64,
+        max_position_embeddings=32, word_embed_proj_dim=32,
+    )  # fmt: skip
+    models._warned.discard("OPTConfig")
+    with pytest.warns(UserWarning, match="no adapter for OPTConfig"):
         models.prepare(transformers.AutoModelForCausalLM.from_config(cfg))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         models.prepare(transformers.AutoModelForCausalLM.from_config(cfg))
+
+
+def test_adapters_are_found_by_what_the_model_contains() -> None:
+    """A config class nobody registered (Qwen2-MoE) still gets its rotary tables
+    and the grouped experts kernel, and runs with no host fallback."""
+    cfg = transformers.Qwen2MoeConfig(
+        **_DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    assert models.adapter_for(cfg) is None
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.warns(UserWarning, match="no adapter for Qwen2MoeConfig"):
+        models._warned.discard("Qwen2MoeConfig")
+        dev = models.prepare(copy.deepcopy(ref))
+    applied = " ".join(dev.spyre_patches)
+    assert "tabulate_rotary" in applied and "Qwen2MoeExperts" in applied
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    torch_spyre.reset_fallback_counts()
+    with torch.no_grad():
+        got = dev(ids.to("spyre")).logits.cpu()
+    assert torch_spyre.fallback_counts() == {}
+    torch.testing.assert_close(got, ref(ids).logits, **tolerances(torch.float32))
 
 
 def test_registry_covers_required_architectures() -> None:
@@ -150,8 +176,17 @@ def test_registry_covers_required_architectures() -> None:
         transformers.Gemma3TextConfig,
         transformers.BertConfig,
         transformers.MPNetConfig,
+        transformers.MixtralConfig,
+        transformers.GraniteMoeHybridConfig,
+        transformers.DeepseekV3Config,
+        transformers.T5Config,
     ):
         assert models.adapter_for(cls()) is not None, cls.__name__
+
+    class MyLlamaConfig(transformers.LlamaConfig):
+        pass
+
+    assert models.adapter_for(MyLlamaConfig()).name == "llama"  # the MRO is walked
 
 
 def test_rotary_positions_past_the_table_raise() -> None:

@@ -198,3 +198,40 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
     # met: 1.49x (no re-lay copies, residual add in the MLP program, attention
     # stored token-major; performance.md)
     assert r["prefill_vs_compute_floor"] <= 1.5
+
+
+@pytest.mark.parametrize("weights", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_8bit_weights_estimate_reads_one_byte_per_weight(weights):
+    """``weights=``: the decoder layers' linear weights 8-bit (one fp32 scale per
+    output channel), planned through the quantised linear on the card."""
+    q = E.estimate("granite-3.3-8b", prompt=PROMPT, new_tokens=NEW, overrides=TINY, weights=weights)
+    base = _tiny()
+    assert q.host_fallbacks == 0 and q.weights_dtype == str(weights).removeprefix("torch.")
+    # 7 projections per layer: q, k, v, o (256x256, 128x256 twice, 256x256), gate,
+    # up (512x256), down (256x512)
+    per_layer = 2 * 256 * 256 + 2 * 128 * 256 + 3 * 512 * 256
+    assert q.quantized_params == 3 * per_layer
+    rows = 3 * (256 + 128 + 128 + 256 + 512 + 512 + 256)  # one fp32 scale per output channel
+    assert q.weights_bytes == base.weights_bytes - q.quantized_params + 4 * rows
+    assert q.decode_bytes == base.decode_bytes - q.quantized_params + 4 * rows
+    assert "decoder-layer weights in" in q.format()
+
+
+@pytest.mark.slow  # plans the real 8B layer with fp8 weights: ~30 s
+def test_granite_8b_fp8_estimate_halves_the_decode_floor(tmp_path):
+    from torch_spyre import cli
+
+    out = tmp_path / "granite_fp8.json"
+    assert cli.main(["estimate", "granite-3.3-8b", "--dtype", "fp8", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["host_fallbacks"] == 0 and d["weights_dtype"] == "float8_e4m3fn"
+    # 7.97 B weights at 1 byte (+ scales), embedding / LM head 0.2 B at 2: ~40 ms
+    # per token at 204.8 GB/s (the fp16 floor is ~80 ms)
+    assert 40e-3 < d["decode_floor_s"] < 43e-3
+    assert 8.3e9 < d["weights_bytes"] < 8.5e9
+    r = d["ratios"]
+    # every projection a weight stream at the calibrated sustained roof; what is
+    # above it (the KV-cache writes, attention, norms, launches) as for fp16
+    assert 1.0 <= r["decode_vs_sustained_bandwidth_floor"] <= 1.2
+    assert d["decode_s"] < 0.6 * 150e-3  # fp16: 150.4 ms per token
+    assert r["prefill_vs_compute_floor"] <= 1.5

@@ -33,9 +33,9 @@ def test_eager_mlp_shows_one_kernel_per_op(tmp_path):
 def test_host_fallbacks_show_as_such_with_their_transfer_cost():
     x = torch.randn(64, 64).to("spyre")
     with profile() as prof:
-        torch.histc(x)
-    assert list(prof.fallbacks) == ["aten.histc.default"]
-    assert prof.fallbacks["aten.histc.default"] > 0
+        torch.median(x)  # no median kernel (histc, used before, now has an adapter)
+    assert list(prof.fallbacks) == ["aten.median.default"]
+    assert prof.fallbacks["aten.median.default"] > 0
     assert "host fallback" in prof.table()
     kinds = {t.kind for t in prof.transfers if t.label}
     assert kinds == {"d2h", "h2d"}

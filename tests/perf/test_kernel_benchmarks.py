@@ -65,6 +65,13 @@ PINNED_US: dict[str, dict[str, float]] = {
         "naive": 86660.29,
     },
     "attention 32x128 heads, 1024 tokens, causal": {"optimised": 311.55, "naive": 17450.78},
+    # fp8 weights (issue 17): half the GEMV time of fp16; W8A8 at the 8-bit PE rate
+    "decode GEMV W8A16 K=4096 N=4096": {"optimised": 146.59, "naive": 738.86},
+    "decode GEMV W8A16 K=4096 N=12800": {"optimised": 448.80, "naive": 2301.75},
+    "prefill W8A16 M=1024 K=4096 N=4096": {"optimised": 361.92, "naive": 9819.32},
+    "prefill W8A8 M=1024 K=4096 N=4096": {"optimised": 263.72, "naive": 4733.58},
+    "prefill W8A16 M=1024 K=4096 N=12800": {"optimised": 1105.27, "naive": 30708.94},
+    "prefill W8A8 M=1024 K=4096 N=12800": {"optimised": 820.21, "naive": 14800.84},
 }
 
 #: targets met today (case, target): a regression that loses one fails
@@ -98,6 +105,17 @@ MET: set[tuple[str, str]] = {
     ("SwiGLU MLP 4096->12800->4096 M=512", "fused: less time than unfused"),
     # one flash-attention program
     ("attention 32x128 heads, 1024 tokens, causal", "sustained LPDDR5 bw (memory-bound)"),
+    ("decode GEMV W8A16 K=4096 N=4096", "sustained LPDDR5 bw (memory-bound)"),
+    ("decode GEMV W8A16 K=4096 N=4096", "less time than naive"),
+    ("decode GEMV W8A16 K=4096 N=12800", "sustained LPDDR5 bw (memory-bound)"),
+    ("decode GEMV W8A16 K=4096 N=12800", "less time than naive"),
+    ("prefill W8A16 M=1024 K=4096 N=4096", "PE peak (compute-bound)"),
+    ("prefill W8A16 M=1024 K=4096 N=4096", "less time than naive"),
+    ("prefill W8A8 M=1024 K=4096 N=4096", "sustained LPDDR5 bw (memory-bound)"),
+    ("prefill W8A8 M=1024 K=4096 N=4096", "less time than naive"),
+    ("prefill W8A16 M=1024 K=4096 N=12800", "PE peak (compute-bound)"),
+    ("prefill W8A16 M=1024 K=4096 N=12800", "less time than naive"),
+    ("prefill W8A8 M=1024 K=4096 N=12800", "less time than naive"),
 }
 
 REL = 1e-3  # the model is deterministic; leave room for float summation order
@@ -169,6 +187,13 @@ def test_naive_plans_are_real_plans(results):
     assert mlp["unfused"].kernels > mlp["optimised"].kernels == 1
     # the hidden activation never reaches device memory: weights + x + out
     assert mlp["optimised"].dram_MB < 1.05 * 3 * 4096 * 12800 * 2 / 1e6
+    # 8-bit weights are read as 1 byte each, never as a stored 16-bit copy
+    for n in (4096, 12800):
+        g = results[f"decode GEMV W8A16 K=4096 N={n}"].plans["optimised"]
+        assert g.kernels == 1 and g.dram_MB < 1.02 * (n * 4096 + 6 * n + 2 * 4096) / 1e6
+    assert results["prefill W8A8 M=1024 K=4096 N=4096"].roof_pe_us == pytest.approx(
+        results["prefill W8A16 M=1024 K=4096 N=4096"].roof_pe_us / 2
+    )
     att = results["attention 32x128 heads, 1024 tokens, causal"].plans
     # scores stay in LX: about q, k, v and out once (33.5 MB), not the 134 MB
     # of fp32 scores the naive plan writes and reads

@@ -30,12 +30,12 @@ def test_counts_and_warns_once_per_op():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with fallback_policy("warn"):
-            torch.histc(x)
-            torch.histc(x)
-            torch.histc(x)
+            torch.median(x)
+            torch.median(x)
+            torch.median(x)
     fb = [w for w in caught if issubclass(w.category, SpyreFallbackWarning)]
-    assert len(fb) == 1 and "aten.histc" in str(fb[0].message)
-    assert _count("histc") == 3
+    assert len(fb) == 1 and "aten.median" in str(fb[0].message)
+    assert _count("median") == 3
 
 
 def test_silent_policy_counts_without_warning():
@@ -43,17 +43,17 @@ def test_silent_policy_counts_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", SpyreFallbackWarning)
         with fallback_policy("silent"):
-            torch.histc(x)
-    assert _count("histc") == 1
+            torch.median(x)
+    assert _count("median") == 1
 
 
 def test_error_policy_names_op_and_shapes():
     x = torch.randn(4, 3).to("spyre")
     with fallback_policy("error"):
         with pytest.raises(
-            SpyreFallbackError, match=r"aten\.histc.*torch\.float32\[4, 3\]@spyre:0"
+            SpyreFallbackError, match=r"aten\.median.*torch\.float32\[4, 3\]@spyre:0"
         ):
-            torch.histc(x)
+            torch.median(x)
     assert torch.equal(x.cpu(), x.cpu())  # the tensor is intact
 
 
@@ -123,9 +123,9 @@ def test_fallback_transfers_are_modelled():
 
     x = torch.randn(64, 64).to("spyre")
     before = cards.card(0).stats()["transfer_bytes"]
-    torch.histc(x)
+    torch.median(x)
     after = cards.card(0).stats()["transfer_bytes"]
-    # the input went to the host, the histogram came back
+    # the input went to the host, the median came back (an op without a kernel)
     assert after["d2h"] - before["d2h"] >= 64 * 64 * 4
     assert after["h2d"] > before["h2d"]
 

@@ -1,5 +1,6 @@
 """Model classes beyond llama on spyre through vLLM: sliding-window attention
-(mistral, gemma3's local layers), soft-capped logits (gemma2), compiled, with
+(mistral, gemma3's local layers), soft-capped logits (gemma2), mixtures of
+experts (mixtral, qwen3_moe: vLLM's FusedMoE on the card), compiled, with
 greedy tokens equal to transformers on the CPU.
 
 fp32 on the card: these are tiny random models whose greedy choices are close
@@ -37,6 +38,17 @@ CONFIGS = {
         query_pre_attn_scalar=32,
         attn_logit_softcapping=30.0,
         final_logit_softcapping=20.0,
+    ),  # fmt: skip
+    # vLLM's FusedMoE (router top-k, then spyre::moe_experts: vllm_plugin/moe.py)
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, num_local_experts=4, num_experts_per_tok=2
+    ),  # fmt: skip
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
     ),  # fmt: skip
 }
 

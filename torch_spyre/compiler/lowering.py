@@ -38,7 +38,8 @@ from dataclasses import dataclass, field, replace
 import sympy
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.compiler import lanes, pieces, trig
+from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim import (
     Buffer,
     Dim,
@@ -83,6 +84,14 @@ def _register_ops() -> None:
         ("log1p", torch.log1p, "transcendental", 1),
         ("expm1", torch.expm1, "transcendental", 1),
         ("sign", torch.sign, "simple", 1),
+        # T5's fp16 overflow guard: isinf(x).any() picks the clamp bound
+        ("isinf", torch.isinf, "simple", 1),
+        # range reduction of sin/cos (compiler/trig.py)
+        ("round", torch.round, "simple", 1),
+        # modular index arithmetic (a rolled sliding-window cache): a division
+        ("fmod", torch.fmod, "transcendental", 2),
+        ("remainder", torch.remainder, "transcendental", 2),
+        ("isnan", torch.isnan, "simple", 1),
         ("fill", lambda v: torch.tensor(v, dtype=torch.float32), "simple", 0),
         # the first input repeated along the dims of the second (which only gives shape)
         ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], "simple", 2),
@@ -122,6 +131,8 @@ _UNARY = {
     "expm1": "expm1",
     "sign": "sign",
     "logical_not": "logical_not",
+    "isinf": "isinf",
+    "isnan": "isnan",
     "square": "square",
     "silu": "silu",
 }
@@ -142,6 +153,9 @@ _BINARY = {
     "logical_and": "logical_and",
     "logical_or": "logical_or",
     "pow": "pow",
+    "mod": "fmod",  # Inductor's ops.mod: C semantics (the sign of the dividend)
+    "fmod": "fmod",
+    "remainder": "remainder",
 }
 _PY_BINARY = {
     "add": lambda a, b: a + b,
@@ -557,10 +571,53 @@ class ProgramBuilder:
         their k dim is not the epilogue's."""
         size, stride, offset, dtype = self._info(name)
         index = self.simplify(index)
-        factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
         se = stick_elems(dtype)
+        try:
+            factors, offs = _decompose(index, size, stride, offset, self.ranges, f"load of {name}")
+            stick = [v for v in factors[-1] if not is_ghost(v)]
+            if (
+                name not in self.produced
+                and len(stick) < len(factors[-1])
+                and self.ranges[stick[-1]] % se
+            ):
+                # ghost pieces around a sub-stick piece (a fused qkv's heads of
+                # 16): not a view of whole sticks, the pieces / lanes paths read it
+                raise Unsupported(f"load of {name}: sub-stick pieces between ghosts")
+        except Unsupported:
+            if name in self.produced:
+                raise
+            try:  # a sub-block of the pieces of a reshaped dim (compiler/pieces.py)
+                dims = pieces.decompose(index, size, stride, offset, self.ranges, dtype)
+                return self._load_pieces(name, dims, size, dtype)
+            except (pieces.PiecesError, Unsupported):
+                pass
+            got = lanes.stick_terms(index, size, stride, offset, self.ranges)
+            if got is None:
+                raise
+            rest, terms, first = got
+            return self._gather(name, rest, terms, first, size, stride, offset, dtype, se)
         if name not in self.produced and not factors[-1] and size[-1] > 1 and offs[-1] % se:
             return self._lane(name, factors, offs, size, dtype, se)
+        # (ghost pieces, read at one position, are whole-stick blocks: a view)
+        if (
+            name not in self.produced
+            and factors[-1]
+            and size[-1] > 1
+            and not any(is_ghost(v) for v in factors[-1])
+        ):
+            widths = [self.ranges[v] for v in factors[-1]]
+            if lanes.needs_gather(size[-1], widths, offs[-1], se):
+                terms, c = [], 1
+                for v in reversed(factors[-1]):
+                    terms.insert(0, (v, c))
+                    c *= self.ranges[v]
+                rest = sympy.expand(
+                    index
+                    - offset
+                    - sum(sympy.Symbol(v, integer=True, nonnegative=True) * k for v, k in terms)
+                    - offs[-1]
+                )
+                return self._gather(name, rest, terms, offs[-1], size, stride, offset, dtype, se)
         if name in self.produced:
             val, pf = self.produced[name]
             if any(offs) or any(is_ghost(v) for f in factors for v in f):
@@ -613,6 +670,95 @@ class ProgramBuilder:
             return self._reduce("any", picked, [lane], torch.bool)
         return self._reduce("sum", picked, [lane], block.dtype)
 
+    def _load_pieces(self, name: str, dims, size, dtype) -> Val:
+        """The whole buffer viewed in pieces, loaded from per-piece offsets."""
+        psizes = [p for ps, _, _ in dims for p in ps]
+        offs = tuple(o for _, _, os_ in dims for o in os_)
+        idx = tuple(v for _, vs, _ in dims for v in vs)
+        key = ("pieces", name, tuple(tuple(ps) for ps, _, _ in dims), offs)
+        use = self.operands.get(key)
+        if use is None:
+            lay, start = view_layout(tuple(size), dtype, [ps for ps, _, _ in dims])
+            if start or lay.device_numel != _default_numel(size, dtype):
+                raise Unsupported(f"a view of {name} in pieces {psizes}")
+            shape = () if name in self.scalars else tuple(size)
+            use = OperandUse(f"in{len(self.operands)}", name, "input", lay, shape, 0, offs)
+            self.operands[key] = use
+        ck = ("load", use.name)
+        hit = self.cse.get(ck)
+        if hit is not None:
+            for x, y in zip(self.load_index[use.name], idx):
+                if x is not None and y is not None:
+                    self.uf.union(x, y)
+            return hit
+        vdims = frozenset(d for d in idx if d is not None)
+        buf = self._buf(vdims, dtype, double=True)
+        self.steps.append(Load(buf, use.name, idx, offsets=offs))
+        self.cse[ck] = val = Val(buf, vdims, dtype)
+        self.load_index[use.name] = idx
+        return val
+
+    def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:
+        """Stick-dim lanes ``first + sum c_v v`` (sub-stick pieces, strided
+        patterns; ``compiler/lanes.py``): the whole sticks covering them, then
+        a 0/1 table on the PE array.  ``rest`` indexes the other dims.
+
+        Variables whose lane stride is whole sticks and spans everything
+        inside (the heads of a fused qkv: 192 h + 16 + i) are blocks of the
+        stick dim read through a pieces view, not gathered: the table covers
+        one block's lanes only."""
+        terms = sorted(terms, key=lambda t: -t[1])
+        outer: list[tuple[str, int]] = []
+        base = 0
+        while len(terms) > 1:
+            v, c = terms[0]
+            inner_first = first % c
+            span = inner_first + sum(ci * (self.ranges[vi] - 1) for vi, ci in terms[1:])
+            if c % se or span >= c or size[-1] % c:
+                break
+            outer.append((v, c))
+            base += first - inner_first
+            first = inner_first
+            terms = terms[1:]
+        parts = [(self.ranges[v], c) for v, c in terms]
+        last = first + sum(c * (n - 1) for n, c in parts)
+        block_lanes = min(c for _, c in outer) if outer else size[-1]
+        lo, cover = lanes.covering(block_lanes, last - first + 1, first, se)
+        n = math.prod(p for p, _ in parts)
+        if cover * n > lanes.MAX_TABLE:
+            raise Unsupported(
+                f"elements {first}..{last} of the stick dim of {name} {list(size)} in parts "
+                f"{parts}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
+                f"(not whole sticks of {se})"
+            )
+        rest = sympy.expand(
+            rest + base + sum(sympy.Symbol(v, integer=True, nonnegative=True) * c for v, c in outer)
+        )
+        j = self.new_vars("j", [cover])[0]
+        idx = sympy.expand(rest + offset + lo + j)
+        try:
+            factors, offs = _decompose(idx, size, stride, offset, self.ranges, f"load of {name}")
+            block = self._load_parts(name, factors, offs, size, dtype)
+        except Unsupported:
+            try:
+                dims = pieces.decompose(idx, size, stride, offset, self.ranges, dtype)
+            except pieces.PiecesError as e:
+                raise Unsupported(f"load of {name}: {e}") from None
+            block = self._load_pieces(name, dims, size, dtype)
+        # a block this group loaded already carries its own lane variable
+        j = next((d for d in block.dims if self.uf.find(d) == self.uf.find(str(j))), str(j))
+        key = lanes.table_key(cover, first - lo, parts, dtype)
+        use = self.operands.get(("eye", key))
+        vs = [v for v, _ in terms]
+        if use is None:
+            lay = SpyreTensorLayout.default((cover, *(p for p, _ in parts)), dtype)
+            shape = (cover, first - lo, *(x for pc in parts for x in pc))
+            use = OperandUse(f"ey{len(self.operands)}", key, "eye", lay, shape)
+            self.operands[("eye", key)] = use
+        buf = self._buf({str(j), *vs}, dtype, double=True)
+        self.steps.append(Load(buf, use.name, (str(j), *vs)))
+        return self.matmul(block, Val(buf, frozenset({str(j), *vs}), dtype), [str(j)])
+
     def store(self, name: str, index, value, mode=None) -> None:
         if mode is not None:
             raise Unsupported(f"store mode {mode!r} into {name}")
@@ -626,7 +772,10 @@ class ProgramBuilder:
         idx_dims = {self.uf.find(v) for f in factors for v in f}
         vdims = {self.uf.find(v) for v in value.dims}
         if not idx_dims >= vdims:
-            raise Unsupported(f"store into {name}: value has dims the output lacks")
+            raise Unsupported(
+                f"store into {name}: value has dims the output lacks "
+                f"({sorted(vdims - idx_dims)} not in {sorted(idx_dims)})"
+            )
         for v in sorted({v for f in factors for v in f}):
             if self.uf.find(v) not in vdims:  # a repeat / expand: broadcast in LX
                 value = self._vec("bcast", [value, self._iota(v)], (), value.dtype)
@@ -679,7 +828,10 @@ class ProgramBuilder:
 
     def matmul(self, a: Val, b: Val, kvars: list[str]) -> Val:
         """A PE-array contraction of ``a`` and ``b`` over ``kvars`` (fp32 accumulation)."""
-        dims = (a.dims | b.dims) - set(kvars)
+        # contracted: the k variables and any unified with them (an operand
+        # computed in this group, a weight's prologue, has its own names)
+        ks = {self.uf.find(k) for k in kvars}
+        dims = frozenset(d for d in a.dims | b.dims if self.uf.find(d) not in ks)
         out = self._buf(dims, torch.float32)
         self.steps.append(Matmul(out, a.buf, b.buf))
         self.reduced.update(kvars)
@@ -717,8 +869,13 @@ class ProgramBuilder:
         """An index read from a value: only an affine function of the loop
         variables (``mask[arange(b), arange(n)]``, as transformers indexes its
         padding mask) is an index; a gather has no DMA form in a program."""
-        if isinstance(x, Scal):
-            return sympy.Integer(int(x.value))
+        if isinstance(x, Scal):  # a constant index (Falcon's qkv[:, :, [-2]])
+            v = int(x.value)
+            if v < 0 and wrap_neg:
+                v += int(size)
+            if check and not 0 <= v < int(size):
+                raise Unsupported(f"index {int(x.value)} is out of bounds for a dim of size {size}")
+            return sympy.Integer(v)
         expr = self.affine.get(x.buf) if isinstance(x, Val) else None
         if expr is None:
             raise Unsupported(
@@ -746,6 +903,15 @@ class ProgramBuilder:
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
         if isinstance(x, Scal):
             return Scal(x.value, dtype)
+        if dtype in FP8_DTYPES:
+            # an 8-bit float is data, not a compute type: the conversion rounds
+            # (the vector unit's fp16 -> fp8 conversion, from a 16-bit value:
+            # a 16-bit source is rounded to it first, as the graph says)
+            if x.dtype in FP8_DTYPES:
+                return x if x.dtype == dtype else self._vec("copy", [x], (), dtype)
+            if src_dtype in (torch.float16, torch.bfloat16) and x.dtype == torch.float32:
+                x = self._vec("copy", [x], (), src_dtype)
+            return self._vec("copy", [x], (), dtype)
         want = _lx_dtype(dtype)
         if want == x.dtype:
             return x
@@ -759,11 +925,17 @@ class ProgramBuilder:
         dt = vals[1].dtype if vals[1].dtype.is_floating_point else torch.float32
         return self._vec("where", vals, (), dt)
 
+    def sin(self, x):
+        return trig.trig(self, x, cos=False)
+
+    def cos(self, x):
+        return trig.trig(self, x, cos=True)
+
     def _unary(self, op: str, x):
         if isinstance(x, Scal):
             t = getattr(torch, op)(torch.tensor(float(x.value)))
             return Scal(t.item(), x.dtype)
-        dt = torch.bool if op == "logical_not" else torch.float32
+        dt = torch.bool if op in ("logical_not", "isinf", "isnan") else torch.float32
         return self._vec(_UNARY[op], [x], (), dt)
 
     def _affine_of(self, x):
@@ -1103,11 +1275,38 @@ def _matmul_split(
         tiles[d] = 1 if tk < sizes[inner_k] else max(1, tk // sizes[inner_k])
     others = [d for d in sorted(sizes, key=_dkey) if d not in (*batch, *rows, nd, *kd)]
     loops = tuple(batch + rows + [nd] + [d for d in others if d not in reduced] + kd)
+    steps = _prologue_first(steps, mm, set(kd), buffers)
     mm_bufs = {mm.a, mm.b}
+    kset = set(kd)
     mm_steps = {
-        i for i, s in enumerate(steps) if s is mm or (isinstance(s, Load) and s.buffer in mm_bufs)
+        i
+        for i, s in enumerate(steps)
+        if s is mm
+        or (isinstance(s, Load) and s.buffer in mm_bufs)
+        # a weight's prologue (its dequantisation): whatever works on k tiles
+        or (isinstance(s, Load | Vector) and kset & set(buffers[step_writes(s)].dims))
     }
     return split, tiles, loops, mm_steps, steps
+
+
+def _prologue_first(steps, mm, kd: set[str], buffers):
+    """Steps before the matmul that do not work on k tiles (a weight scale's
+    load) moved ahead of those that do, so the k loop is one loop."""
+    at = steps.index(mm)
+    before = steps[:at]
+
+    def on_k(s) -> bool:
+        w = step_writes(s)
+        return w is not None and bool(kd & set(buffers[w].dims))
+
+    outer = [s for s in before if not on_k(s)]
+    if not outer or len(outer) == len(before):
+        return steps
+    k_written = {step_writes(s) for s in before if s not in outer}
+    if any(r in k_written for s in outer for r in step_reads(s)):
+        return steps  # an outer step reads a k tile: keep the program order
+    inner = [s for s in before if s not in outer]
+    return [*outer, *inner, *steps[at:]]
 
 
 def _stream_rows(steps, buffers, reduced) -> set[int] | None:
@@ -1574,11 +1773,13 @@ def _fit(
                 st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
             else:
                 st.append(replace(s, loops=lp))
+        st = _hoist_short_loads(st)
         return Program(
             name=name,
             dims=dims,
             operands=tuple(
-                Operand(u.name, u.layout, "input" if u.role == "iota" else u.role) for u in ops
+                Operand(u.name, u.layout, "input" if u.role in lanes.CONST_ROLES else u.role)
+                for u in ops
             ),
             buffers=tuple(buffers.values()),
             steps=tuple(st),
@@ -1636,6 +1837,29 @@ def _fit(
                 prog = _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget)
     prog.validate(cfg)
     return prog
+
+
+def _hoist_short_loads(steps: list) -> list:
+    """An input loaded in fewer loops than the steps after it (an epilogue's
+    per-row scale, [M, 1], read outside the column loop) is loaded before the
+    first step that opens those loops, so the loop nest stays one nest (a
+    load between two steps of a loop would close it and open a second one)."""
+    out = list(steps)
+    i = 0
+    while i < len(out):
+        s = out[i]
+        if isinstance(s, Load) and i > 0:
+            n = len(s.loops)
+            prev = out[i - 1].loops
+            later = any(len(t.loops) > n and t.loops[:n] == s.loops for t in out[i + 1 :])
+            if len(prev) > n and prev[:n] == s.loops and later:
+                # the first step of the run of deeper steps just before it
+                j = i - 1
+                while j > 0 and len(out[j - 1].loops) > n and out[j - 1].loops[:n] == s.loops:
+                    j -= 1
+                out.insert(j, out.pop(i))
+        i += 1
+    return out
 
 
 def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget) -> Program:

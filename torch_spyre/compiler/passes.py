@@ -10,8 +10,13 @@ the card: counted as ``kernel``, never a host fallback):
   programs cannot express yet; the eager embedding is a device DMA program.
 * ``aten.index_put`` (what a static KV cache's ``index_copy_`` becomes): an
   indirect store, likewise run by the eager device kernel (a DMA program);
-* ``aten.index`` with integer indices (``index_select``, a paged-KV page read
-  by a device index): an indirect load, likewise.
+* ``aten.gather`` (BERT's token-type ids read through the position ids): an
+  index read from data, the eager device gather (a DMA program);
+* ``aten.roll`` and ``aten.index`` with integer indices that are not an
+  affine function of iotas (a full sliding-window cache shifted each decode
+  step: ``(i + 1) % n``; ``index_select``; a paged-KV page read by a device
+  index): the eager device kernels (DMA programs).  An index computed from
+  iotas alone is planned as an index expression.
 
 fuses what one kernel program does better than Inductor's groups:
 
@@ -65,6 +70,28 @@ def _(x, indices, values, accumulate):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("spyre::gather", mutates_args=())
+def gather(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``torch.gather(x, dim, index)`` by the device's eager kernel (a DMA program)."""
+    return torch.gather(x, dim, index)
+
+
+@gather.register_fake
+def _(x, dim, index):
+    return x.new_empty(index.shape)
+
+
+@torch.library.custom_op("spyre::roll", mutates_args=())
+def roll(x: torch.Tensor, shifts: list[int], dims: list[int]) -> torch.Tensor:
+    """``torch.roll`` by the device's eager kernel (a DMA program)."""
+    return torch.roll(x, shifts, dims)
+
+
+@roll.register_fake
+def _(x, shifts, dims):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("spyre::index", mutates_args=())
 def index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
     """``x[indices]`` with integer index tensors (a gather: ``index_select``, a
@@ -77,19 +104,58 @@ def _(x, indices):
     return torch.ops.aten.index.Tensor(x, indices)  # integer indices: shapes only
 
 
-def _integer_gather(n: torch.fx.Node):
-    """aten.index.Tensor with integer indices only (a boolean mask's output
-    size depends on its values: Inductor keeps those)."""
-    for i in n.args[1]:
+#: ops whose result is an affine function of iotas and constants when their inputs are
+_AFFINE_OPS = {
+    "iota", "arange", "full", "scalar_tensor", "add", "sub", "mul", "neg", "view", "reshape",
+    "_unsafe_view", "expand", "unsqueeze", "squeeze", "permute", "clone", "_to_copy",
+    "convert_element_type", "lift_fresh_copy", "alias",
+}  # fmt: skip
+
+
+def _affine_index(node, depth: int = 0) -> bool:
+    """True when an index tensor is an affine function of iotas and constants (the
+    planner reads it as an index expression: ``mask[arange(b), arange(n)]``); an
+    index computed from data or through a modulo (a rolled sliding-window cache:
+    ``(iota + 1) % n``) is a gather for the device kernel."""
+    if not isinstance(node, torch.fx.Node) or depth > 24:
+        return not isinstance(node, torch.fx.Node)
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name not in _AFFINE_OPS:
+        return False
+    return all(_affine_index(a, depth + 1) for a in node.all_input_nodes)
+
+
+def _route_index(n: torch.fx.Node):
+    """aten.index.Tensor with integer indices (a boolean mask's output size
+    depends on its values: Inductor keeps those), not all affine in iotas."""
+    x, indices = n.args[0], n.args[1]
+    for i in indices:
         val = i.meta.get("val") if isinstance(i, torch.fx.Node) else None
         if i is not None and not (isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
                                   and val.dtype is not torch.bool):  # fmt: skip
             return None
-    return torch.ops.spyre.index.default, (n.args[0], n.args[1])
+    if all(i is None or _affine_index(i) for i in indices):
+        return None
+    return torch.ops.spyre.index.default, (x, indices)
 
 
 _ROUTED = {
-    torch.ops.aten.index.Tensor: _integer_gather,
+    # a full sliding-window cache shifting by one position each decode step:
+    # Inductor writes roll as an index (i + s) % n, which is not affine
+    torch.ops.aten.roll.default: lambda n: (
+        torch.ops.spyre.roll.default,
+        (n.args[0], list(n.args[1]), list(n.args[2]) if len(n.args) > 2 else []),
+    ),
+    torch.ops.aten.index.Tensor: _route_index,
+    # BERT-style token-type buffers: gather(buffer.expand(b, -1), 1, position_ids)
+    torch.ops.aten.gather.default: lambda n: (
+        torch.ops.spyre.gather.default,
+        (n.args[0], n.args[1], n.args[2]),
+    ),
     torch.ops.aten.embedding.default: lambda n: (
         torch.ops.spyre.embedding.default,
         (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
@@ -106,6 +172,31 @@ def _on_spyre(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type == "spyre"
 
 
+def _split_piece(p: torch.fx.Node):
+    """(x, dim, start, end, 1) when ``p`` is piece i of ``split``/``split_with_sizes``
+    of x (what ``chunk`` becomes), else None."""
+    import operator
+
+    aten = torch.ops.aten
+    if p.op != "call_function" or p.target is not operator.getitem:
+        return None
+    sp, i = p.args
+    if sp.op != "call_function" or sp.target not in (
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+    ):
+        return None
+    x, size = sp.args[0], sp.args[1]
+    dim = sp.args[2] if len(sp.args) > 2 else 0
+    xv = x.meta.get("val")
+    if not isinstance(xv, torch.Tensor):
+        return None
+    n = xv.shape[dim]
+    sizes = list(size) if isinstance(size, list | tuple) else [size] * -(-n // size)
+    start = sum(sizes[:i])
+    return x, dim, start, min(start + sizes[i], n), 1
+
+
 def _slice_pieces(cat: torch.fx.Node):
     """(x, [(sign, start, end)]) when ``cat`` joins (negated) unit-step slices
     of one tensor ``x`` along its last dim; None otherwise."""
@@ -118,10 +209,14 @@ def _slice_pieces(cat: torch.fx.Node):
         sign = 1
         if p.op == "call_function" and p.target is torch.ops.aten.neg.default:
             sign, p = -1, p.args[0]
-        if p.op != "call_function" or p.target is not torch.ops.aten.slice.Tensor:
+        got = _split_piece(p)  # x.chunk(2) / torch.split: a getitem of a split
+        if got is not None:
+            x, sdim, start, end, step = got
+        elif p.op == "call_function" and p.target is torch.ops.aten.slice.Tensor:
+            x, sdim, start, end = (list(p.args) + [0, None, None])[:4]
+            step = p.args[4] if len(p.args) > 4 else 1
+        else:
             return None
-        x, sdim, start, end = (list(p.args) + [0, None, None])[:4]
-        step = p.args[4] if len(p.args) > 4 else 1
         xv = x.meta.get("val")
         if not isinstance(xv, torch.Tensor) or step != 1:
             return None
@@ -189,6 +284,131 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+#: largest output width of a cat rewritten into lane scatters (each piece's
+#: table is [piece width, output width])
+_MAX_CAT = 1024
+
+
+def _constant(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor, like, fake_mode):
+    """A constant of the graph (a buffer of ``gm`` on the device of ``like``)."""
+    name = f"{prefix}_{len([n for n in gm.graph.nodes if n.op == 'get_attr'])}"
+    gm.register_buffer(name, value.to(like.device))
+    node = gm.graph.get_attr(name)
+    with fake_mode:
+        node.meta["val"] = fake_mode.from_tensor(getattr(gm, name))
+    return node
+
+
+def _lane_place(gm, piece: torch.fx.Node, width: int, col: int, fake_mode) -> torch.fx.Node:
+    """``piece`` [..., w] with its columns placed at ``col..col+w`` of a
+    [..., width] tensor of zeros: ``piece @ E`` on the PE array."""
+    aten = torch.ops.aten
+    pv = piece.meta["val"]
+    w = pv.shape[-1]
+    rows = pv.numel() // w if w else 0
+    table = torch.zeros(w, width, dtype=pv.dtype)
+    table[torch.arange(w), col + torch.arange(w)] = 1
+    t_node = _constant(gm, "_spyre_lane_scatter", table, pv, fake_mode)
+    src = piece
+    if not pv.is_contiguous():
+        src = gm.graph.call_function(
+            aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+        )
+    flat = gm.graph.call_function(aten.view.default, (src, [rows, w]))
+    mm = gm.graph.call_function(aten.mm.default, (flat, t_node))
+    out = gm.graph.call_function(aten.view.default, (mm, [*pv.shape[:-1], width]))
+    with fake_mode:
+        sv = pv.clone(memory_format=torch.contiguous_format) if src is not piece else pv
+        if src is not piece:
+            src.meta["val"] = sv
+        flat.meta["val"] = sv.view(rows, w)
+        mm.meta["val"] = torch.mm(flat.meta["val"], t_node.meta["val"])
+        out.meta["val"] = mm.meta["val"].view(*pv.shape[:-1], width)
+    return out
+
+
+def _last_dim(node: torch.fx.Node, dim) -> bool:
+    val = node.meta.get("val")
+    return (
+        _on_spyre(node)
+        and val.dtype.is_floating_point
+        and val.dim() > 0
+        and dim in (-1, val.dim() - 1)
+        and val.shape[-1] <= _MAX_CAT
+    )
+
+
+def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
+    """``cat`` along the stick (last) dim of computed pieces, and
+    ``slice_scatter`` into it (``x[..., a:b].copy_(y)``): Inductor writes them
+    as masked loads at shifted lanes, which no stick DMA can do.  Each piece
+    is placed by a lane scatter on the PE array instead (``_lane_place``:
+    ``x_i @ E_i`` with ``E_i`` [d_i, d] the 0/1 table putting its columns at
+    their offset; exact, one nonzero product per output): a cat is the sum of
+    its placed pieces, a slice_scatter ``where(outside the slice, base,
+    placed)``.  The cats of (negated) slices of one tensor (``rotate_half``)
+    were rewritten before, into one permutation matmul."""
+    from torch._guards import detect_fake_mode
+
+    aten = torch.ops.aten
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        val = node.meta.get("val")
+        if node.target is aten.cat.default:
+            dim = node.args[1] if len(node.args) > 1 else 0
+            if not _last_dim(node, dim):
+                continue
+            pieces = [p for p in node.args[0] if p.meta["val"].shape[-1] > 0]
+            if len(pieces) < 2 or any(p.meta["val"].dtype != val.dtype for p in pieces):
+                continue
+            if any(p.meta["val"].shape[:-1] != val.shape[:-1] for p in pieces):
+                continue
+            fake_mode = detect_fake_mode([val])
+            with gm.graph.inserting_before(node):
+                total, col = None, 0
+                for p in pieces:
+                    placed = _lane_place(gm, p, val.shape[-1], col, fake_mode)
+                    col += p.meta["val"].shape[-1]
+                    if total is None:
+                        total = placed
+                        continue
+                    prev, total = total, gm.graph.call_function(aten.add.Tensor, (total, placed))
+                    with fake_mode:
+                        total.meta["val"] = prev.meta["val"] + placed.meta["val"]
+        elif node.target is aten.slice_scatter.default:
+            base, src = node.args[0], node.args[1]
+            rest = list(node.args[2:])
+            dim, start, end, step = rest + [0, None, None, 1][len(rest) :]
+            if not _last_dim(node, dim) or step != 1 or src.meta["val"].dtype != val.dtype:
+                continue
+            d = val.shape[-1]
+            start = 0 if start is None else (start + d if start < 0 else start)
+            end = d if end is None else min(end + d if end < 0 else end, d)
+            if src.meta["val"].shape != (*val.shape[:-1], end - start):
+                continue
+            fake_mode = detect_fake_mode([val])
+            keep = torch.ones(d, dtype=torch.bool)
+            keep[start:end] = False
+            with gm.graph.inserting_before(node):
+                placed = _lane_place(gm, src, d, start, fake_mode)
+                k_node = _constant(gm, "_spyre_lane_keep", keep, val, fake_mode)
+                total = gm.graph.call_function(aten.where.self, (k_node, base, placed))
+                with fake_mode:
+                    total.meta["val"] = torch.where(
+                        k_node.meta["val"], base.meta["val"], placed.meta["val"]
+                    )
+        else:
+            continue
+        node.replace_all_uses_with(total)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return changed
+
+
 _VIEWS = ("reshape", "view", "_unsafe_view")
 
 
@@ -243,6 +463,25 @@ def _linear_of(node, seen: list):
     return x, wt.args[0]
 
 
+_EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+
+
+def _from_8bit(node, depth: int = 6) -> bool:
+    """Whether ``node`` is computed (within a few ops) from 8-bit data: a
+    quantised weight's dequantisation."""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        n, d = todo.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or d > depth:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n is not node and isinstance(val, torch.Tensor) and val.dtype in _EIGHT_BIT:
+            return True
+        todo += [(a, d + 1) for a in n.all_input_nodes]
+    return False
+
+
 def _base(node):
     while _is(node, *_VIEWS):
         node = node.args[0]
@@ -295,6 +534,10 @@ def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
         if found is None:
             continue
         (xg, wg), (xu, wu) = found
+        if any(_from_8bit(w) for w in (wg, wu, wd)):
+            # quantised weights: three matmuls, each dequantising its weight in
+            # LX (compiler/matmuls.py); the MLP program reads 16-bit weights
+            continue
         x = _base(xg)
         xv, wv = x.meta.get("val"), [w.meta.get("val") for w in (wg, wu, wd)]
         if not isinstance(xv, torch.Tensor) or any(not isinstance(w, torch.Tensor) for w in wv):
@@ -457,6 +700,7 @@ def _fuse_attention_transpose(gm: torch.fx.GraphModule) -> bool:
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
+        changed = _rewrite_stick_cats(gm) or changed
         changed = _fuse_swiglu(gm) or changed
         changed = _fuse_swiglu_residual(gm) or changed
         changed = _fuse_attention_transpose(gm) or changed
@@ -465,7 +709,7 @@ class SpyreGraphPass(CustomGraphModulePass):
             if route is None or not _on_spyre(node):
                 continue
             routed = route(node)
-            if routed is None:
+            if routed is None:  # the planner serves this one itself
                 continue
             target, args = routed
             with gm.graph.inserting_before(node):

@@ -33,6 +33,7 @@ class CompiledKernel:
         self._kernel = launch.Kernel(self.program)
         self._label = "compiled." + self.program.name
         self._iotas: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._tables: dict[tuple[str, int | None], torch.Tensor] = {}
         if os.environ.get("TORCH_SPYRE_DEBUG"):
             print(self.program.dump())
 
@@ -44,6 +45,19 @@ class CompiledKernel:
             t = self._iotas[key] = torch.arange(n, dtype=torch.float32).to(device)
         return t
 
+    def _eye(self, name: str, shape, device: torch.device) -> torch.Tensor:
+        """A lane-gather table (``compiler/lanes.py``), copied once per kernel and card."""
+        key = (name, device.index)
+        t = self._tables.get(key)
+        if t is None:
+            from torch_spyre.compiler import lanes
+
+            dtype = self.program.operand(name).layout.dtype
+            pieces = list(zip(shape[2::2], shape[3::2]))  # (size, lane stride) per piece
+            host = lanes.table(shape[0], shape[1], pieces, dtype)
+            t = self._tables[key] = host.to(device)
+        return t
+
     def run(self, *tensors: torch.Tensor) -> None:
         device = tensors[0].device
         bind: dict[str, torch.Tensor] = {}
@@ -52,6 +66,9 @@ class CompiledKernel:
         for name, role, shape, start, numel in self.bindings:
             if role == "iota":
                 bind[name] = operands.device_memory(self._iota(shape[0], device))
+                continue
+            if role == "eye":
+                bind[name] = operands.device_memory(self._eye(name, shape, device))
                 continue
             t = next(it)
             if tuple(t.shape) != tuple(shape):

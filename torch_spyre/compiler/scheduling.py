@@ -15,21 +15,26 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 from textwrap import dedent
 
 import sympy
-import torch
 from torch._inductor import ir
 from torch._inductor.codegen.common import DeviceOpOverrides
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen, WrapperLine
 from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
-from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from torch_spyre.compiler import layouts, lowering, options
+from torch_spyre.compiler import lanes, layouts, lowering, options
+from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
+from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
+    _buffer_info,
+    _simplify,
+    _static,
+    _storage_name,
+    run_nodes,
+)
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import cards
 
@@ -52,165 +57,6 @@ def _planning_config():
 
 def debug_enabled() -> bool:
     return os.environ.get("TORCH_SPYRE_DEBUG", "") not in ("", "0")
-
-
-_warned_dynamic: set[tuple[int, str]] = set()
-
-
-def _static(values, what: str) -> list[int]:
-    """Sizes as ints.  A symbolic size (automatic dynamic shapes) is specialised
-    to its current value with a guard, so Dynamo recompiles for another size:
-    kernel programs are planned for static shapes."""
-    out = []
-    for v in values:
-        if isinstance(v, int) or getattr(v, "is_Integer", False):
-            out.append(int(v))
-            continue
-        n = V.graph.sizevars.guard_int(v)
-        key = (id(V.graph), str(v))  # one line per size and graph
-        if key not in _warned_dynamic:
-            _warned_dynamic.add(key)
-            log.warning(
-                "spyre: specialising dynamic size %s = %d of %s (kernel programs are planned "
-                "for static shapes; another size recompiles)",
-                v,
-                n,
-                what,
-            )
-        out.append(n)
-    return out
-
-
-def _simplify(expr, ranges=None):
-    """An index expression with its size symbols specialised (and guarded), and
-    divisions of split variables resolved with their ranges."""
-    expr = V.graph.sizevars.simplify(expr)
-    free = [x for x in getattr(expr, "free_symbols", ()) if x.name.startswith(("s", "u"))]
-    if free:
-        vals = _static(free, "an index")
-        expr = expr.subs(dict(zip(free, vals)))
-    if ranges and expr.has(FloorDiv, ModularIndexing):
-        vr = {x: ranges[x.name] for x in expr.free_symbols if x.name in ranges}
-        expr = V.graph.sizevars.simplify_with_ranges(expr, vr)
-    return expr
-
-
-class _Opaque:
-    """A value in the scanning pass (``_find_splits``): nothing is computed."""
-
-    def __getitem__(self, i):
-        return self
-
-    def __iter__(self):
-        return iter((self, self, self))
-
-
-class _IndexScan:
-    """An ops handler that only records the index expressions a node uses."""
-
-    def __init__(self) -> None:
-        self.indexes: list = []
-
-    def load(self, name, index):
-        self.indexes.append(index)
-        return _Opaque()
-
-    def store(self, name, index, value, mode=None):
-        self.indexes.append(index)
-
-    def store_reduction(self, name, index, value):
-        self.indexes.append(index)
-
-    def index_expr(self, expr, dtype):
-        self.indexes.append(expr)
-        return _Opaque()
-
-    def masked(self, mask, body, other):
-        return body()
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *a, **k: _Opaque()
-
-
-def _find_splits(node, pw, red) -> dict[int, int]:
-    """Iteration variables a node's indexes divide (``v // d``, ``v % d``: a
-    reshape or a repeat_interleave): position -> d, so the variable becomes two
-    (v = d * hi + lo) and every index stays affine."""
-    sizes = list(pw) + list(red)
-    syms = [sympy.Symbol(f"q{i}", integer=True, nonnegative=True) for i in range(len(sizes))]
-    scan = _IndexScan()
-    store = node.node.get_store_function()
-    try:
-        with V.set_ops_handler(scan):
-            if red:
-                store(syms[: len(pw)], syms[len(pw) :])
-            else:
-                store(syms)
-    except Exception:  # the planning pass reports what it cannot do
-        return {}
-    found: dict[int, set[int]] = {}
-    for e in scan.indexes:
-        e = sympy.sympify(e)
-        for atom in e.atoms(FloorDiv, ModularIndexing):
-            base, div = atom.args[0], atom.args[1]
-            if base not in syms or not div.is_Integer:
-                continue
-            i = syms.index(base)
-            d = int(div)
-            if isinstance(atom, ModularIndexing) and d == 1:
-                d = int(atom.args[2])
-            if 1 < d < sizes[i] and sizes[i] % d == 0:
-                found.setdefault(i, set()).add(d)
-    return {i: ds.pop() for i, ds in found.items() if len(ds) == 1}
-
-
-def _node_vars(b: lowering.ProgramBuilder, prefix: str, sizes, splits, first: int) -> list:
-    out = []
-    for i, size in enumerate(sizes):
-        d = splits.get(first + i)
-        if d is None:
-            out.extend(b.new_vars(prefix, [size]))
-        else:
-            hi, lo = b.new_vars(prefix, [size // d, d])
-            out.append(hi * d + lo)
-    return out
-
-
-def _storage_name(name: str) -> str:
-    """The buffer whose memory ``name`` writes: an in-place update of a graph
-    input (a KV cache's copy_) is a node with a mutation layout over it."""
-    try:
-        buf = V.graph.get_buffer(name)
-    except Exception:  # an expression such as "mm_out[0]", not a buffer name
-        return name
-    layout = getattr(buf, "layout", None)
-    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
-        return layout.get_buffer().get_name()
-    return name
-
-
-def _buffer_info(name: str):
-    buf = V.graph.get_buffer(name)
-    if buf is None:
-        raise KeyError(name)
-    lay = buf.get_layout()
-    size = tuple(_static(lay.size, name))
-    stride = tuple(_static(lay.stride, name))
-    offset = _static([lay.offset], name)[0]
-    return size, stride, offset, lay.dtype
-
-
-def _sizes(node: BaseSchedulerNode):
-    data = node.node.data
-    pw = _static(data.get_pointwise_size(), node.get_name())
-    red = (
-        _static(data.get_reduction_size(), node.get_name())
-        if isinstance(data, ir.Reduction)
-        else []
-    )
-    return pw, red
 
 
 class SpyreScheduling(BaseScheduling):
@@ -254,6 +100,8 @@ class SpyreScheduling(BaseScheduling):
     # ------------------------------------------------------------ codegen
     def codegen_node(self, node) -> None:
         nodes = list(node.get_nodes())
+        if self._defer_weight_prologue(nodes):
+            return
         plans = None
         mm = self._absorbable_matmul(nodes)
         if mm is not None:
@@ -307,6 +155,61 @@ class SpyreScheduling(BaseScheduling):
             self._emit(p)
         self.free_buffers_in_scheduler()
 
+    def _defer_weight_prologue(self, nodes) -> bool:
+        """A group that only dequantises the weight of a later matmul (8-bit
+        data times its scale) is planned into that matmul: its loads and vector
+        steps run in the matmul's k loop, and the 16-bit weight never reaches
+        device memory (``matmuls.weight_prologue``).  Chosen by the cost model:
+        the matmul with its prologue against the two kernels apart."""
+        opts = options.current()
+        if not opts.fuse or opts.naive:
+            return False
+        found = weight_prologue(nodes, self.scheduler)
+        if found is None:
+            return False
+        pro, mm_node = found
+        table = prologues()
+        card = cards.card(0)
+        try:
+            table[pro.weight] = pro
+            fused, _ = plan_extern_matmul(mm_node.node)
+            del table[pro.weight]
+            plain, _ = plan_extern_matmul(mm_node.node)
+            alone = self._plan(nodes)
+        except lowering.Unsupported as e:
+            table.pop(pro.weight, None)
+            log.info("spyre: %s not planned into its matmul: %s", pro.weight, e)
+            return False
+        t_fused = card.estimate(fused.program).time_s
+        t_apart = (
+            card.estimate(plain.program).time_s
+            + card.estimate(alone.program).time_s
+            + sum(card.estimate(p.program).time_s for p in alone.pre)
+        )
+        if t_fused > t_apart:
+            log.info(
+                "spyre: %s not planned into its matmul (%.1f us fused vs %.1f us apart)",
+                pro.weight,
+                t_fused * 1e6,
+                t_apart * 1e6,
+            )
+            return False
+        table[pro.weight] = pro
+        V.graph.removed_buffers.add(pro.weight)  # never allocated nor stored
+        # Inductor frees a graph input after its last reader, and the group's
+        # reads now happen when the matmul runs: they move to the matmul's last
+        # use (scheduler attributes read by Inductor's own free_buffers; covered
+        # by tests/compiler/test_quantized_compile.py)
+        to_free = self.scheduler.buffer_names_to_free
+        for r in pro.reads:
+            if r in to_free:
+                to_free.discard(r)
+                mm_node.last_usage.add(r)
+        for n in nodes:
+            n.mark_run()
+        self.free_buffers_in_scheduler()
+        return True
+
     def _absorbable_matmul(self, nodes):
         """The pending matmul whose output only this group reads, if it was the
         last kernel emitted: its epilogue (bias, activation, residual) is fused."""
@@ -338,7 +241,7 @@ class SpyreScheduling(BaseScheduling):
             _buffer_info, _planning_config(), _simplify, options.current().naive
         )
         if mm is not None:
-            _matmul_steps(b, mm.node)
+            matmul_steps(b, mm.node)
         group = {n.get_name() for n in nodes}
         # the layout of a stored intermediate, costed with its readers
         b.readers_cost = functools.partial(layouts.consumers_cost, self, group)
@@ -355,18 +258,7 @@ class SpyreScheduling(BaseScheduling):
                 ]
                 if outside or name in graph_outs or not users:
                     keep.add(name)
-        for n in nodes:
-            pw, red = _sizes(n)
-            splits = _find_splits(n, pw, red)
-            vars_ = _node_vars(b, "x", pw, splits, 0)
-            rvars = _node_vars(b, "r", red, splits, len(pw))
-            b.node_rvars = sorted({x.name for v in rvars for x in sympy.sympify(v).free_symbols})
-            store = n.node.get_store_function()
-            with V.set_ops_handler(b):
-                if red:
-                    store(vars_, rvars)
-                else:
-                    store(vars_)
+        run_nodes(b, nodes)
         kname = "_".join(n.get_name() for n in nodes)
         if mm is not None:
             kname = mm.node.get_name() + "_" + kname
@@ -416,7 +308,9 @@ class SpyreScheduling(BaseScheduling):
                 if u.layout != SpyreTensorLayout.default(u.shape, u.layout.dtype):
                     stored[u.buffer] = u.layout  # its readers read it so
         kname = _define(wrapper, plan)
-        args = ", ".join(_storage_name(u.buffer) for u in plan.operands if u.role != "iota")
+        args = ", ".join(
+            _storage_name(u.buffer) for u in plan.operands if u.role not in lanes.CONST_ROLES
+        )
         wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
         if plan.after:
             wrapper.writeline(plan.after)
@@ -438,6 +332,21 @@ class SpyreScheduling(BaseScheduling):
         raise NotImplementedError
 
 
+def plan_extern_matmul(node) -> tuple[lowering.Plan, list[str]]:
+    """The program of an extern matmul node alone (with its weight's prologue,
+    if any) and the buffers it reads."""
+    b = lowering.ProgramBuilder(
+        _buffer_info, _planning_config(), _simplify, options.current().naive
+    )
+    names = matmul_steps(b, node)
+    plan = b.finish(
+        f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",
+        {node.get_name()},
+        allow_lx=True,
+    )
+    return plan, names
+
+
 def _define(wrapper, plan: lowering.Plan) -> str:
     """Define the kernel in the wrapper module (once per program); its name."""
     text = plan.program.to_json()
@@ -454,9 +363,6 @@ def _define(wrapper, plan: lowering.Plan) -> str:
             print(f"[spyre] {kname}: {plan.program.name}, LX {sum(usage.values())} B per core")
             print(plan.program.dump())
     return kname
-
-
-_MATMULS = ("extern_kernels.mm", "extern_kernels.addmm", "extern_kernels.bmm")
 
 
 _QUIET_LINES = {
@@ -481,127 +387,6 @@ def _is_kernel_line(line) -> bool:
         s = line.strip()
         return bool(s) and not s.startswith(("#", "del "))
     return True
-
-
-def _mixed_radix(pairs) -> sympy.Expr:
-    """sum(v_i * prod(sizes after i)) over (variable, size) pairs, outer to inner."""
-    expr, acc = sympy.Integer(0), 1
-    for v, size in reversed(pairs):
-        expr = expr + v * acc
-        acc *= size
-    return expr
-
-
-def _groups(inp, vsz) -> list[list[int]]:
-    """Per dim of a matmul input view, the dims of the buffer under it that it
-    covers (a reshape of a whole contiguous buffer is read in its own shape, so
-    nothing is re-laid); a plain view covers one dim each."""
-    plain = [[s] for s in vsz]
-    usz, ustr, uoff, _ = _buffer_info(inp.get_name())
-    lay = inp.get_layout()
-    if (
-        _static(lay.stride, inp.get_name()) != _contiguous(vsz)
-        or _static([lay.offset], inp.get_name()) != [0]
-        or list(ustr) != _contiguous(usz)
-        or uoff
-        or math.prod(usz) != math.prod(vsz)
-    ):
-        return plain
-    rest = [u for u in usz if u != 1]
-    out = []
-    for v in vsz:
-        g, acc = [], 1
-        while acc < v and rest:
-            acc *= rest[0]
-            g.append(rest.pop(0))
-        if acc != v and v != 1:
-            return plain
-        out.append(g if v != 1 else [1])
-    return out
-
-
-def _finer(f1: list[int], f2: list[int]) -> list[int]:
-    """The finer of two factorisations of one dim (each piece of the coarser one
-    a product of consecutive pieces of the finer one)."""
-    fine, coarse = (f1, f2) if len(f1) >= len(f2) else (f2, f1)
-    rest = list(fine)
-    for c in coarse:
-        acc = 1
-        while acc < c and rest:
-            acc *= rest.pop(0)
-        if acc != c:
-            return f1
-    return fine
-
-
-def _dim_expr(b: lowering.ProgramBuilder, factors: list[int]) -> sympy.Expr:
-    """One variable per factor, combined outer to inner."""
-    vs = b.new_vars("x", factors)
-    return _mixed_radix(list(zip(vs, factors)))
-
-
-def _contiguous(size) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(size):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
-
-
-def _view_index(b: lowering.ProgramBuilder, inp, vars_) -> tuple[str, sympy.Expr]:
-    """(underlying buffer name, index expression) of an extern kernel input view."""
-    lay = inp.get_layout()
-    strides = _static(lay.stride, inp.get_name())
-    offset = _static([lay.offset], inp.get_name())[0]
-    expr = sum((v * st for v, st in zip(vars_, strides)), sympy.Integer(offset))
-    return inp.get_name(), expr
-
-
-def _matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
-    """Steps of an mm/addmm/bmm extern node: loads, PE-array matmul, bias epilogue,
-    and the (possibly later dropped) store of its output.  Returns the input
-    buffer names in load order."""
-    kind = node.python_kernel_name
-    ins = list(node.inputs)
-    bias = ins.pop(0) if kind.endswith("addmm") else None
-    a, w = ins
-    asz = _static(a.get_size(), node.get_name())
-    wsz = _static(w.get_size(), node.get_name())
-    ag, wg = _groups(a, asz), _groups(w, wsz)
-    roles = [_finer(ag[-1], wg[-2])]  # k
-    if kind.endswith("bmm"):
-        bt, m, k, n = (_dim_expr(b, f) for f in (_finer(ag[0], wg[0]), ag[1], roles[0], wg[2]))
-        av, wv, outv = [bt, m, k], [bt, k, n], [bt, m, n]
-    else:
-        m, k, n = (_dim_expr(b, f) for f in (ag[0], roles[0], wg[1]))
-        av, wv, outv = [m, k], [k, n], [m, n]
-    kvars = sorted(v.name for v in sympy.sympify(k).free_symbols)
-    if not kvars:
-        raise lowering.Unsupported("a matmul with k = 1")
-    names = []
-    aval = b.load(*_view_index(b, a, av), share=False)
-    names.append(a.get_name())
-    wval = b.load(*_view_index(b, w, wv), share=False)
-    names.append(w.get_name())
-    acc = b.matmul(aval, wval, kvars)
-    alpha = float(node.kwargs.get("alpha", 1))
-    beta = float(node.kwargs.get("beta", 1))
-    if alpha != 1.0:
-        acc = b.mul(acc, lowering.Scal(alpha, torch.float32))
-    if bias is not None:
-        bsz = _static(bias.get_size(), node.get_name())
-        bvars = outv[len(outv) - len(bsz) :]
-        bvars = [v if s > 1 else sympy.Integer(0) for v, s in zip(bvars, bsz)]
-        bval = b.load(*_view_index(b, bias, bvars))
-        names.append(bias.get_name())
-        if beta != 1.0:
-            bval = b.mul(bval, lowering.Scal(beta, torch.float32))
-        acc = b.add(acc, bval)
-    out = node.get_layout()
-    ostr = _static(out.stride, node.get_name())
-    expr = sum((v * st for v, st in zip(outv, ostr)), sympy.Integer(_static([out.offset], "")[0]))
-    b.store(node.get_name(), expr, acc)
-    return names
 
 
 class _PendingMatmul:
@@ -633,18 +418,16 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
         return SpyreWrapperCodegen()
 
     def generate_extern_kernel_out(self, node) -> None:
-        if getattr(node, "python_kernel_name", None) in _MATMULS:
+        if getattr(node, "python_kernel_name", None) in MATMULS:
             try:
-                b = lowering.ProgramBuilder(
-                    _buffer_info, _planning_config(), _simplify, options.current().naive
-                )
-                names = _matmul_steps(b, node)
-                plan = b.finish(
-                    f"{node.python_kernel_name.split('.')[-1]}_{node.get_name()}",
-                    {node.get_name()},
-                    allow_lx=True,
-                )
+                plan, names = plan_extern_matmul(node)
             except lowering.Unsupported as e:
+                w = node.inputs[2 if node.python_kernel_name.endswith("addmm") else 1]
+                if w.get_name() in prologues():  # its weight was never stored: no way back
+                    raise lowering.Unsupported(
+                        f"spyre compiler: cannot plan {node.get_name()} with its weight's "
+                        f"dequantisation: {e}"
+                    ) from None
                 # the eager matmul kernel (functional overload: PE-array program),
                 # then a device copy into Inductor's output buffer
                 log.info("spyre: matmul %s left to the eager kernel: %s", node.get_name(), e)
@@ -665,7 +448,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                 args = ", ".join(
                     f"{var}[{names.index(u.buffer)}]" if u.buffer in names else u.buffer
                     for u in plan.operands
-                    if u.role != "iota"
+                    if u.role not in lanes.CONST_ROLES
                 )
                 pending = _PendingMatmul(node, var, names, len(self.lines), None)
                 pending.plan = plan

@@ -3,9 +3,10 @@
     model = torch_spyre.models.load("smollm2")           # offline name, HF folder or path
     model = torch_spyre.models.prepare(any_hf_model)     # patch + move to spyre
 
-An adapter is a small declarative list of patches (``torch_spyre.models.patches``)
-registered for a transformers config class.  An architecture without an
-adapter still runs (op by op, the plain eager path) and says so once.
+An adapter is a small declarative list of patches (``torch_spyre.models.patches``,
+``torch_spyre.models.moe``), each of which finds the modules it changes; the
+registry names the architectures validated against the CPU.  An architecture
+not in it gets the same patches (by what it contains) and says so once.
 
 ``compile=True`` wraps the forward in plain ``torch.compile`` (the spyre
 Inductor backend is reached through the device); it is **off by default** and
@@ -23,8 +24,11 @@ import torch
 import transformers
 from torch import nn
 
-from torch_spyre.models import offline
+from torch_spyre.models import offline, quantized
+from torch_spyre.models.attention import attention_variants
+from torch_spyre.models.moe import moe_experts
 from torch_spyre.models.patches import Patch, chunk_lm_head, sdpa_attention, tabulate_rotary
+from torch_spyre.models.ssm import mamba_kernels
 
 Kind = Literal["embedding", "causal-lm"]
 
@@ -53,13 +57,27 @@ class PrepareOptions:
     applied: list[str] = field(default_factory=list)
 
 
-_DECODER = (sdpa_attention, tabulate_rotary, chunk_lm_head)
-_DECODER_NOTES = (
-    "rotary cos/sin tabulated on the host once (no trig on the card); attention through SDPA; "
-    "an lm_head too large for one matmul kernel split over the vocabulary"
+#: every patch finds the modules it changes (rotary embeddings, attention, experts,
+#: an output projection) and does nothing when the model has none: an adapter is
+#: what the model *contains*, so a config class nobody registered gets them too
+PATCHES: tuple[Patch, ...] = (
+    sdpa_attention,
+    attention_variants,
+    tabulate_rotary,
+    moe_experts,
+    mamba_kernels,
+    chunk_lm_head,
+)
+_NOTES = (
+    "rotary cos/sin tabulated on the host once (no trig on the card); attention through SDPA "
+    "(soft-capped or sink attention through the 'spyre' attention function); "
+    "mixture-of-experts layers as one grouped kernel program; Mamba-2 scans and gated norms as "
+    "kernel programs; an lm_head too large for one "
+    "matmul kernel split over the vocabulary (each only where the model has the module)"
 )
 
-#: keyed by transformers config class; lookup walks the config's MRO
+#: the architectures validated against the CPU (tests/models/test_matrix.py), by
+#: transformers config class; lookup walks the config's MRO
 REGISTRY: dict[type, Adapter] = {}
 
 
@@ -68,24 +86,44 @@ def register(adapter: Adapter) -> Adapter:
     return adapter
 
 
-for _adapter in (
-    Adapter("llama", transformers.LlamaConfig, _DECODER, _DECODER_NOTES),
-    Adapter("granite", transformers.GraniteConfig, _DECODER, _DECODER_NOTES),
-    Adapter("qwen3", transformers.Qwen3Config, _DECODER, _DECODER_NOTES),
-    # gemma3 has two rotary tables (local and global layers): both are tabulated
-    Adapter("gemma3_text", transformers.Gemma3TextConfig, _DECODER, _DECODER_NOTES),
-    # bert already defaults to SDPA and runs without fallback: the patch is a check
-    Adapter("bert", transformers.BertConfig, (sdpa_attention,), "attention through SDPA"),
-    # mpnet has no SDPA path (relative-position bias); its eager attention runs as
-    # matmul/softmax kernels with no fallback, so nothing needs patching
-    Adapter("mpnet", transformers.MPNetConfig, (), "runs unpatched (no fallback measured)"),
-):
-    register(_adapter)
+VALIDATED: dict[str, str] = {
+    # decoders
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "mixtral": "MixtralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "granite": "GraniteConfig",
+    "granitemoe": "GraniteMoeConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
+    "gemma": "GemmaConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3_text": "Gemma3TextConfig",
+    "gemma4_text": "Gemma4TextConfig",
+    "phi3": "Phi3Config",
+    "olmo2": "Olmo2Config",
+    "gpt2": "GPT2Config",
+    "gpt_neox": "GPTNeoXConfig",
+    "falcon": "FalconConfig",
+    "starcoder2": "Starcoder2Config",
+    "deepseek_v3": "DeepseekV3Config",
+    # encoders (t5: encoder-decoder)
+    "bert": "BertConfig",
+    "roberta": "RobertaConfig",
+    "xlm-roberta": "XLMRobertaConfig",
+    "mpnet": "MPNetConfig",
+    "t5": "T5Config",
+}
+
+for _name, _cls in VALIDATED.items():
+    register(Adapter(_name, getattr(transformers, _cls), PATCHES, _NOTES))
 
 _warned: set[str] = set()
 
 
 def adapter_for(config: transformers.PretrainedConfig) -> Adapter | None:
+    """The registered adapter of ``config``'s class (None: not validated)."""
     for cls in type(config).__mro__:
         if cls in REGISTRY:
             return REGISTRY[cls]
@@ -108,6 +146,10 @@ def prepare(
     import torch_spyre  # noqa: F401  (registers the device)
 
     opts = PrepareOptions(device, dtype, compile, max_positions, max_linear_bytes)
+    # a compressed-tensors checkpoint keeps its 8-bit weights (models/quantized.py)
+    n_quantized = quantized.from_compressed_tensors(model)
+    if n_quantized:
+        opts.applied.append(f"compressed-tensors: {n_quantized} linear layers kept 8-bit")
     cfg = model.config
     adapter = adapter_for(cfg)
     if adapter is None:
@@ -115,16 +157,17 @@ def prepare(
         if arch not in _warned:
             _warned.add(arch)
             warnings.warn(
-                f"torch_spyre.models: no adapter for {arch}; it runs on the plain eager path "
-                "(check torch_spyre.fallback_counts() for host fallbacks)",
+                f"torch_spyre.models: no adapter for {arch} (not validated on the card); "
+                "applying the patches its modules need (check torch_spyre.fallback_counts() "
+                "for host fallbacks)",
                 stacklevel=2,
             )
-    else:
-        # patches build host-side tables: apply them before the move
-        for patch in adapter.patches:
-            what = patch(model, opts)
-            if what:
-                opts.applied.append(f"{patch.__name__}: {what}")
+        adapter = Adapter(arch, type(cfg), PATCHES, "found by content")
+    # patches build host-side tables: apply them before the move
+    for patch in adapter.patches:
+        what = patch(model, opts)
+        if what:
+            opts.applied.append(f"{patch.__name__}: {what}")
     model.eval()
     if dtype is not None:
         model.to(dtype)
@@ -189,7 +232,9 @@ def load_tokenizer(name_or_path: str | Path):
 
 
 __all__ = [
+    "PATCHES",
     "REGISTRY",
+    "VALIDATED",
     "Adapter",
     "PrepareOptions",
     "adapter_for",

@@ -196,6 +196,11 @@ class Estimate:
     prefill_flops: float
     host_fallbacks: int
     plan_wall_s: float
+    #: the decoder layers' linear weights: "float16" (as ``dtype``) or an
+    #: 8-bit type, one fp32 scale per output channel (QuantizedLinear)
+    weights_dtype: str = "float16"
+    #: parameters of those quantised weights (the rest stay ``dtype``)
+    quantized_params: int = 0
 
     @property
     def prefill_s(self) -> float:
@@ -264,8 +269,14 @@ class Estimate:
         lines = [
             f"{self.model}: {self.config_class} from {self.source}",
             f"  {self.params / 1e9:.2f} B parameters ({self.embedding_params / 1e9:.2f} B embedding"
-            f"{', tied to the LM head' if self.tied_embeddings else ''}), {self.dtype} on the card;"
-            f" layers: {kinds}",
+            f"{', tied to the LM head' if self.tied_embeddings else ''}), {self.dtype} on the card"
+            + (
+                f" ({self.quantized_params / 1e9:.2f} B decoder-layer weights in "
+                f"{self.weights_dtype}, dequantised in LX)"
+                if self.quantized_params
+                else ""
+            )
+            + f"; layers: {kinds}",
             "",
             f"  {'':34} {'modelled':>11} {'floor':>11} {'ratio':>6}  floor is",
             f"  {f'prefill, {self.prompt_tokens} tokens':34} {self.prefill_s * 1e3:>8.1f} ms"
@@ -410,6 +421,13 @@ def _matmul_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def _linear_rows(module: nn.Module) -> int:
+    """Output channels of the quantised linear layers of ``module`` (one scale each)."""
+    from torch_spyre.models.quantized import QuantizedLinear
+
+    return sum(m.out_features for m in module.modules() if isinstance(m, QuantizedLinear))
+
+
 def estimate(
     name: str,
     *,
@@ -420,6 +438,7 @@ def estimate(
     overrides: dict[str, Any] | None = None,
     config: Any = None,
     timing_only: bool = True,
+    weights: torch.dtype | None = None,
 ) -> Estimate:
     """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
     decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
@@ -427,7 +446,12 @@ def estimate(
 
     ``overrides``: config values to change (e.g. a tiny test model);
     ``config``: a ready transformers config instead of ``MODELS[name]``;
-    ``timing_only=False`` computes the values too (small models only).
+    ``timing_only=False`` computes the values too (small models only);
+    ``weights``: an 8-bit type (``torch.float8_e4m3fn``, ``torch.int8``) for the
+    decoder layers' linear weights, one fp32 scale per output channel
+    (``models.quantized.QuantizedLinear``: read as 8-bit data, dequantised in
+    LX; activations stay ``dtype``); the embedding and LM head stay ``dtype``,
+    as the usual fp8 recipes leave them.
     """
     import transformers
 
@@ -479,6 +503,11 @@ def estimate(
         what = patch(model, opts)
         if what:
             applied.append(what)
+    if weights is not None:
+        from torch_spyre.models import quantized
+
+        for layer in base.layers:
+            quantized.quantize_meta(layer, weights)
     head = model.get_output_embeddings()
     # the chunked LM head keeps its chunks as copies of the weight (patches.ChunkedLinear)
     extra = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -610,9 +639,17 @@ def estimate(
 
     card_cfg = HardwareConfig.from_env()  # TORCH_SPYRE_DEVICE_MEMORY etc., read now
     run_cfg = cards.config()
-    weights = params * itemsize
+    quant_params = sum(layer_mm[k] * counts[k] for k in kinds) if weights is not None else 0
+    qitem = torch.empty((), dtype=weights).element_size() if weights is not None else itemsize
+    # an 8-bit weight: 1 byte per element and one fp32 scale per output channel
+    scale_bytes = (
+        sum(counts[k] * _linear_rows(base.layers[i]) for i, k in enumerate(kinds)) * 4
+        if weights is not None
+        else 0
+    )
+    weight_bytes = (params - quant_params) * itemsize + quant_params * qitem + scale_bytes
     # decode reads every weight once, except an untied input embedding (one row)
-    decode_weights = weights - (0 if tied else emb_params * itemsize)
+    decode_weights = weight_bytes - (0 if tied else emb_params * itemsize)
     kv_read = sum(
         counts[k] * 2 * n_kv * min(prompt + 1, kv_len(k)) * head_dim * itemsize for k in kinds
     )
@@ -639,7 +676,7 @@ def estimate(
         cache_len=cache_len,
         prefill=prefill_parts,
         decode=decode_parts,
-        weights_bytes=weights,
+        weights_bytes=weight_bytes,
         extra_weight_bytes=extra,
         kv_cache_bytes=kv_bytes,
         activation_bytes=act,
@@ -651,5 +688,7 @@ def estimate(
         prefill_flops=flops,
         host_fallbacks=fallbacks,
         plan_wall_s=time.perf_counter() - t_wall,
+        weights_dtype=str(weights or dtype).replace("torch.", ""),
+        quantized_params=quant_params,
     )
     return est

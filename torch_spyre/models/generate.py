@@ -37,6 +37,9 @@ class Generation:
     prefill_modelled_s: float
     decode_wall_s: list[float] = field(default_factory=list)  # per step
     decode_modelled_s: list[float] = field(default_factory=list)
+    #: with ``keep_logits``: the logits each token was picked from (host fp32,
+    #: [batch, vocab] per token)
+    logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def decode_ms_per_token(self) -> tuple[float, float]:
@@ -103,12 +106,18 @@ def generate(
     bucket: int = 64,
     prefill_bucket: int = 16,
     progress: bool = False,
+    keep_logits: bool = False,
+    force_tokens: torch.Tensor | None = None,
 ) -> Generation:
     """Generate for a batch of prompts (``input_ids`` (batch, seq), host tensor;
     ``attention_mask`` marks left padding, as a tokenizer with
     ``padding_side="left"`` returns it).
 
-    Stops early when every row has produced ``eos_token_id``.
+    Stops early when every row has produced ``eos_token_id``.  ``keep_logits``
+    keeps the logits of every step (host fp32).  ``force_tokens`` (batch,
+    max_new_tokens): feed these tokens instead of the picked ones (teacher
+    forcing through the cache: a 16-bit run compared step by step with a
+    reference's tokens); ``tokens`` are still the picks.
     """
     from transformers import StaticCache
 
@@ -150,7 +159,8 @@ def generate(
             # step them back so the first decode step overwrites the padding
             for layer in out.cache.layers:
                 layer.crop(n - n_pad)
-        nxt = _pick(out.logits[:, n - 1], do_sample, temperature, top_k, gen)
+        last = out.logits[:, n - 1]
+        nxt = _pick(last, do_sample, temperature, top_k, gen)
         result = Generation(
             tokens=nxt,
             prefill_tokens=n,
@@ -158,20 +168,23 @@ def generate(
             prefill_wall_s=time.perf_counter() - t_wall,
             prefill_modelled_s=_clock(device) - t_mod,
         )
+        if keep_logits:
+            result.logits.append(last.to("cpu", torch.float32))
         toks = [nxt]
         done = torch.zeros(batch, dtype=torch.bool)
         last = pos[:, -1:]
         for step in range(max_new_tokens - 1):
             if bar is not None:
                 bar.update(1)
-            if eos_token_id is not None:
+            if eos_token_id is not None and force_tokens is None:
                 done |= nxt[:, 0] == eos_token_id
                 if bool(done.all()):
                     break
             full_mask[:, n + step] = 1
+            fed = nxt if force_tokens is None else force_tokens[:, step : step + 1]
             t_mod, t_wall = _clock(device), time.perf_counter()
             out = model(
-                input_ids=nxt.to(device),
+                input_ids=fed.to(device),
                 attention_mask=full_mask.to(device),
                 position_ids=(last + 1 + step).to(device),
                 cache=out.cache,
@@ -181,6 +194,8 @@ def generate(
             nxt = _pick(out.logits[:, -1], do_sample, temperature, top_k, gen)
             result.decode_wall_s.append(time.perf_counter() - t_wall)
             result.decode_modelled_s.append(_clock(device) - t_mod)
+            if keep_logits:
+                result.logits.append(out.logits[:, -1].to("cpu", torch.float32))
             toks.append(nxt)
     if bar is not None:
         bar.close()

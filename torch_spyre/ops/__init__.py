@@ -13,11 +13,16 @@ def register() -> None:
     from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
         adapters,
         attention,
+        conv,
+        counting,
         dispatch,
         matmul,
         mlp,
+        moe,
         normalization,
+        quantized,
         reductions,
+        ssm,
     )
 
     everything = torch.library.Library("_", "IMPL")

@@ -84,6 +84,62 @@ def attention_bshd(
     return _math(q, k, v, mask, scale, is_causal).transpose(1, 2).contiguous()
 
 
+@torch.library.custom_op(
+    "spyre::attention_ext",
+    mutates_args=(),
+    tags=(torch.Tag.needs_contiguous_strides,),
+)
+def attention_ext(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attention`` with logit soft-capping (``softcap > 0``: ``s = softcap *
+    tanh(s / softcap)`` before the mask) and per-head sinks (``sinks`` [Hq]: a
+    logit in each row's softmax that attends to nothing); q [B, Hq, Sq, D],
+    k [B, Hk, Skv, D], v [B, Hk, Skv, Dv]."""
+    if q.device.type == "spyre" and q.dtype in _FLOATS and q.dtype == k.dtype == v.dtype:
+        out = _device_attention(q, k, v, mask, scale, is_causal, softcap=softcap, sinks=sinks)
+        if out is not None:
+            return out
+    return _math_ext(q, k, v, mask, scale, is_causal, softcap, sinks)
+
+
+@attention_ext.register_fake
+def _(q, k, v, mask, scale, is_causal, softcap, sinks):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _math_ext(q, k, v, mask, scale, is_causal, softcap, sinks):
+    """The variants written out (fp32 softmax, as transformers' eager attention)."""
+    hq, hk = q.shape[1], k.shape[1]
+    if hk != hq:
+        k = k.repeat_interleave(hq // hk, dim=1)
+        v = v.repeat_interleave(hq // hk, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    sq, skv = s.shape[-2], s.shape[-1]
+    if is_causal:
+        keep = torch.ones(sq, skv, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    s = s.float()
+    if sinks is not None:
+        sk = sinks.float().reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.cat([s, sk], dim=-1).softmax(-1)[..., :-1]
+    else:
+        p = s.softmax(-1)
+    p = torch.nan_to_num(p)  # a fully masked row attends to nothing
+    return torch.matmul(p.to(v.dtype), v)
+
+
 @attention_bshd.register_fake
 def _(q, k, v, mask, scale, is_causal):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]))
@@ -133,11 +189,14 @@ def _mask_operand(mask: torch.Tensor, b: int, hq: int, sq: int, skv: int):
     return operands.whole(m)
 
 
-def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False):
+def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False, softcap=None, sinks=None):
     from torch_spyre.sim import kernels
 
     b, hq, sq, d = q.shape
     hk, skv = k.shape[1], k.shape[2]
+    dv = v.shape[-1]
+    if hq % hk:
+        return None
     m = None
     if mask is not None:
         m = _mask_operand(mask, b, hq, sq, skv)
@@ -145,15 +204,17 @@ def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False):
             return None
     dev = q.device
     minfo = (tuple(m.shape), m.dtype) if m is not None else None
+    softcap = float(softcap) if softcap else None
     key = (
         "attention", b, hq, hk, sq, skv, d, q.dtype, bool(is_causal), float(scale), minfo,
-        heads_last,
+        heads_last, dv, softcap, sinks is not None,
     )  # fmt: skip
 
     def build() -> launch.Kernel:
         p = kernels.best_flash_attention(
             b, hq, hk, sq, skv, d, q.dtype, causal=bool(is_causal), scale=float(scale),
-            mask=minfo, heads_last=heads_last, config=cards.config(dev.index or 0),
+            mask=minfo, heads_last=heads_last, dv=None if dv == d else dv, softcap=softcap,
+            sinks=sinks is not None, config=cards.config(dev.index or 0),
         )  # fmt: skip
         return launch.Kernel(p)
 
@@ -163,7 +224,7 @@ def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False):
         return None
     if kern.program is None:
         return None
-    oshape = (b, sq, hq, d) if heads_last else (b, hq, sq, d)
+    oshape = (b, sq, hq, dv) if heads_last else (b, hq, sq, dv)
     out = torch.empty(oshape, dtype=q.dtype, device=dev)
     bufs = {
         "q": operands.device_memory(operands.whole(q)),
@@ -176,6 +237,8 @@ def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False):
     if is_causal:
         bufs["qpos"] = operands.device_memory(_position(dev, sq))
         bufs["kvpos"] = operands.device_memory(_position(dev, skv))
+    if sinks is not None:
+        bufs["sinks"] = operands.device_memory(operands.whole(sinks.float().reshape(hk, hq // hk)))
     kern.launch_memory(dev.index or 0, bufs)
     dispatch_stats.record("kernel", "attention")
     return out
@@ -189,10 +252,13 @@ def _routable(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _FLOATS):
         return False
     b, hq, _, d = q.shape
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d or v.shape[3] != d:
+    # a V head size unlike Q's is served (MLA)
+    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
         return False
     hk = k.shape[1]
-    if hk != hq and not (enable_gqa and hk and hq % hk == 0):
+    # one KV head broadcasts over the query heads (multi-query: Falcon) as SDPA's
+    # batch broadcasting does; several need enable_gqa
+    if hk != hq and not ((enable_gqa or hk == 1) and hk and hq % hk == 0):
         return False
     if mask is not None and (
         is_causal or not (mask.dtype == torch.bool or mask.is_floating_point())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from torch_spyre.ops import launch, operands, programs
-from torch_spyre.ops.registry import kernel
+from torch_spyre.ops.registry import kernel, out_variant
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -149,6 +149,11 @@ def _mm(a, b):
     return matmul(a, b)
 
 
+# ``torch.mm(a, b, out=view)``: transformers' grouped-matmul fallback writes each
+# group's product into a row slice of its output
+kernel("mm.out")(out_variant(_mm))
+
+
 @kernel("bmm.default")
 def _bmm(a, b):
     return matmul(a, b)
@@ -166,21 +171,8 @@ def _baddbmm(bias, a, b, *, beta=1, alpha=1):
     return matmul(a, b, bias, float(alpha), float(beta))
 
 
-# PyTorch routes convolutions of out-of-tree devices to the *_overrideable ops,
-# which have no CPU kernel: until the card gets a convolution kernel they run
-# through the host fallback as aten.convolution (counted, warned).
-@kernel("convolution_overrideable.default")
-def _convolution(
-    input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-):
-    from torch_spyre.runtime.fallback import host_fallback
-
-    return host_fallback(
-        torch.ops.aten.convolution.default,
-        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
-    )  # fmt: skip
-
-
+# Convolutions: ops/conv.py (the depthwise conv1d of Mamba layers runs on the
+# card, others take the host fallback); their gradients take it too.
 @kernel("convolution_backward_overrideable.default")
 def _convolution_backward(
     grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups,

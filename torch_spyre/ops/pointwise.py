@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from torch_spyre import _C
-from torch_spyre.layout import SUPPORTED_DTYPES
-from torch_spyre.ops import launch, operands, programs
+from torch_spyre.layout import FP8_DTYPES, SUPPORTED_DTYPES
+from torch_spyre.ops import errors, launch, operands, programs
 from torch_spyre.runtime import scalars
 from torch_spyre.sim import ops as sim_ops
 from torch_spyre.sim.ops import VECTOR_OPS
@@ -248,6 +248,9 @@ def run(op, args: tuple, kwargs: dict) -> Any:
             template.append(v)
     if not tensors:
         return NotImplemented
+    for t in (*tensors, *((out_arg,) if out_arg is not None else ())):
+        if t.dtype in FP8_DTYPES:
+            raise errors.fp8_arithmetic(plan.name, t.dtype)
     key = (
         "pw",
         func,

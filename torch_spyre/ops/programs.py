@@ -239,8 +239,14 @@ def matmul(
     beta: float = 1.0,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    *,
+    a_dtype: torch.dtype | None = None,
+    b_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    dequant: tuple[str, tuple[int, ...], tuple[str | None, ...], torch.dtype] | None = None,
+    scales: tuple[tuple[str, tuple[int, ...], tuple[str | None, ...], torch.dtype], ...] = (),
 ) -> Program:
-    """``out = alpha * (a @ b) [+ beta * bias]`` over named dims.
+    """``out = alpha * (a @ b) [* scales] [+ beta * bias]`` over named dims.
 
     ``sizes`` names every dim: batch dims (``b*``), output rows (``m*``, one or
     more: rows of a reshaped operand stay in its own shape), ``n`` and ``k``.
@@ -249,11 +255,29 @@ def matmul(
     Batch dims then rows are split over the cores first, ``n`` in whole
     sticks; ``k`` is streamed through the LX in tiles (the PE array
     accumulates in fp32).
+
+    Operands are ``dtype`` (the activations' type) unless ``a_dtype`` /
+    ``b_dtype`` / ``out_dtype`` say otherwise.  Quantised weights:
+
+    * ``dequant=(op, shape, index, dtype)``: ``b`` holds 8-bit weights
+      (``b_dtype``), loaded as such (half the bytes of fp16) and dequantised
+      in LX by the vector units, ``b_t = op(b_q, ws)`` in ``dtype``, with the
+      operand ``ws`` (the weight scale, per tensor or per output channel)
+      before the PE array consumes them at the rate of ``dtype`` (W8A16);
+    * ``scales``: operands ``(name, shape, index, dtype)`` multiplied into the
+      fp32 accumulator in the epilogue, in order (``aten._scaled_mm``'s
+      ``scale_a`` and ``scale_b`` of a W8A8 matmul, whose 8-bit ``a`` and
+      ``b`` the PE array consumes at its 8-bit rate).
     """
     from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
 
     cfg = config or HardwareConfig()
-    se = stick_elems(dtype)
+    a_dt, b_dt, out_dt = a_dtype or dtype, b_dtype or dtype, out_dtype or dtype
+    # tiles and stick splits follow the PE operands' type (the dequantised
+    # weight tile, in ``dtype``, takes the LX a double-buffered 16-bit tile
+    # would: an 8-bit tile twice plus one 16-bit copy)
+    tile_dt = a_dt if b_dt == a_dt else dtype
+    se = stick_elems(out_dt)  # n is split over cores in whole output sticks
     batch = [d for d in sizes if d.startswith("b")]
     rows = [d for d in sizes if d.startswith("m")]
     m = math.prod(sizes[d] for d in rows)
@@ -292,7 +316,7 @@ def matmul(
     em = ceil_div(sizes[row_split], split[row_split]) if row_split else 1
     em *= math.prod(sizes[d] for d in rows if d != row_split)
     en = n_chunk or ceil_div(n, pn)
-    tm, tn, tk = default_matmul_tiles(em, en, k, dtype, True, cfg)
+    tm, tn, tk = default_matmul_tiles(em, en, k, tile_dt, True, cfg)
     dims = []
     loop_dims = batch + rows + ["n", "k"]
     for d in loop_dims:
@@ -313,33 +337,53 @@ def matmul(
     loops = tuple(loop_dims)
     outer = loops[:-1]
     acc_dt = torch.float32
-    steps: list = [
-        Load("a_t", "a", a_index, loops),
-        Load("b_t", "b", b_index, loops),
-        Matmul("acc", "a_t", "b_t", loops),
-    ]
+    b_dims = tuple(d for d in loop_dims if d in b_index)
     operands_ = [
-        Operand("a", SpyreTensorLayout.default(a_shape, dtype), "input"),
-        Operand("b", SpyreTensorLayout.default(b_shape, dtype), "input"),
+        Operand("a", SpyreTensorLayout.default(a_shape, a_dt), "input"),
+        Operand("b", SpyreTensorLayout.default(b_shape, b_dt), "input"),
     ]
-    buffers = [
-        Buffer("a_t", tuple(d for d in loop_dims if d in a_index), dtype, True),
-        Buffer("b_t", tuple(d for d in loop_dims if d in b_index), dtype, True),
-        Buffer("acc", tuple(d for d in loop_dims if d in out_index), acc_dt, True),
-    ]
+    buffers = [Buffer("a_t", tuple(d for d in loop_dims if d in a_index), a_dt, True)]
+    steps: list = []
+    if dequant is None:
+        buffers.append(Buffer("b_t", b_dims, b_dt, True))
+        steps += [Load("a_t", "a", a_index, loops), Load("b_t", "b", b_index, loops)]
+    else:
+        op, sshape, sindex, sdt = dequant
+        used = tuple(d for d in sindex if d is not None)
+        operands_.append(Operand("ws", SpyreTensorLayout.default(sshape, sdt), "input"))
+        buffers += [
+            Buffer("b_q", b_dims, b_dt, True),
+            Buffer("ws_t", tuple(d for d in loop_dims if d in used), sdt, True),
+            Buffer("b_t", b_dims, dtype, False),
+        ]
+        steps += [
+            # the scale once per tile of its dims, before the k loop opens
+            Load("ws_t", "ws", sindex, _loop_prefix(outer, used)),
+            Load("a_t", "a", a_index, loops),
+            Load("b_q", "b", b_index, loops),
+            Vector(op, "b_t", ("b_q", "ws_t"), (), loops),
+        ]
+    buffers.append(Buffer("acc", tuple(d for d in loop_dims if d in out_index), acc_dt, True))
+    steps.append(Matmul("acc", "a_t", "b_t", loops))
     if alpha != 1.0:
         steps.append(Vector("mul_scalar", "acc", ("acc",), (alpha,), outer))
+    for sname, sshape, sindex, sdt in scales:
+        used = tuple(d for d in sindex if d is not None)
+        operands_.append(Operand(sname, SpyreTensorLayout.default(sshape, sdt), "input"))
+        buffers.append(Buffer(f"{sname}_t", tuple(d for d in loop_dims if d in used), sdt, True))
+        steps.append(Load(f"{sname}_t", sname, sindex, _loop_prefix(outer, used)))
+        steps.append(Vector("mul", "acc", ("acc", f"{sname}_t"), (), outer))
     if bias is not None:
         bshape, bindex = bias
         used = tuple(d for d in bindex if d is not None)
-        operands_.append(Operand("bias", SpyreTensorLayout.default(bshape, dtype), "input"))
-        buffers.append(Buffer("bias_t", tuple(d for d in loop_dims if d in used), dtype, True))
+        operands_.append(Operand("bias", SpyreTensorLayout.default(bshape, out_dt), "input"))
+        buffers.append(Buffer("bias_t", tuple(d for d in loop_dims if d in used), out_dt, True))
         steps.append(Load("bias_t", "bias", bindex, _loop_prefix(outer, used)))
         if beta != 1.0:
             steps.append(Vector("mul_scalar", "bias_t", ("bias_t",), (beta,), outer))
         steps.append(Vector("add", "acc", ("acc", "bias_t"), (), outer))
     steps.append(Store("out", "acc", out_index, outer))
-    operands_.append(Operand("out", SpyreTensorLayout.default(out_shape, dtype), "output"))
+    operands_.append(Operand("out", SpyreTensorLayout.default(out_shape, out_dt), "output"))
     return Program(
         name=name or f"mm_{nb}x{m}x{n}x{k}",
         dims=tuple(dims),

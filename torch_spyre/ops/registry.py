@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from torch_spyre.ops.errors import annotated
+from torch_spyre.ops.errors import annotated, fp8_arithmetic, fp8_operand
 from torch_spyre.runtime import dispatch_stats
 
 _lib: torch.library.Library | None = None
@@ -23,19 +23,27 @@ class NoKernel(Exception):
     """Raised by a kernel for inputs it does not serve (the host fallback runs)."""
 
 
-def kernel(*names: str, path: str = "kernel"):
+def kernel(*names: str, path: str = "kernel", fallback: Callable | None = None, fp8: bool = False):
     """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads.
 
     ``fn(*args, **kwargs)`` may return NotImplemented (or raise NoKernel) for
     inputs it does not serve; those then go through the host fallback,
-    counted as such.
+    counted as such.  ``fallback``: the op the host runs instead (an
+    ``*_overrideable`` op has no CPU kernel: its generic form runs).  Unless
+    ``fp8``, a call with an 8-bit float tensor is refused with an error that
+    says what to do (the card has no arithmetic on fp8 outside its quantised
+    kernels).
     """
 
     def wrap(fn: Callable) -> Callable:
         for name in names:
-            op = _overload(name)
+            op = fallback or _overload(name)
 
             def impl(*args, _fn=fn, _name=name, _op=op, **kwargs):
+                if not fp8:
+                    dt = fp8_operand(args, kwargs)
+                    if dt is not None:
+                        raise fp8_arithmetic(_name, dt)
                 try:
                     try:
                         result = _fn(*args, **kwargs)

@@ -26,6 +26,8 @@ _DTYPES = {
     "Half": torch.float16,
     "BFloat16": torch.bfloat16,
     "Float": torch.float32,
+    "Float8_e4m3fn": torch.float8_e4m3fn,
+    "Float8_e5m2": torch.float8_e5m2,
     "Char": torch.int8,
     "Byte": torch.uint8,
     "Short": torch.int16,

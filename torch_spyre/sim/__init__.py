@@ -15,6 +15,7 @@ from torch_spyre.sim.card import (
 )
 from torch_spyre.sim.config import HardwareConfig, HardwareConfigError, parse_size
 from torch_spyre.sim.executor import execute
+from torch_spyre.sim.grouped import GroupedProgram, estimate_grouped
 from torch_spyre.sim.ops import register_op, register_reduction
 from torch_spyre.sim.program import (
     Buffer,
@@ -38,6 +39,7 @@ __all__ = [
     "Buffer",
     "CardStats",
     "Dim",
+    "GroupedProgram",
     "HardwareConfig",
     "HardwareConfigError",
     "KernelRecord",
@@ -56,6 +58,7 @@ __all__ = [
     "TransferRecord",
     "Vector",
     "estimate",
+    "estimate_grouped",
     "execute",
     "get_card",
     "parse_size",

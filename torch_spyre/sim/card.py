@@ -18,6 +18,7 @@ import torch
 from torch_spyre.sim import trace
 from torch_spyre.sim.config import HardwareConfig
 from torch_spyre.sim.executor import runner
+from torch_spyre.sim.grouped import GroupedProgram, estimate_grouped
 from torch_spyre.sim.program import Program
 from torch_spyre.sim.timing import KernelReport, estimate
 
@@ -93,13 +94,16 @@ class SimulatedCard:
         return f"SimulatedCard(index={self.index}, clock_s={self.clock_s:.6g})"
 
     # ------------------------------------------------------------ kernels
-    def estimate(self, program: Program) -> KernelReport:
+    def estimate(self, program: Program | GroupedProgram) -> KernelReport:
         """Validate and time ``program`` without running it or advancing the clock."""
         key = program.to_json()
         rep = self._reports.get(key)
         if rep is None:
             program.validate(self.config)
-            rep = estimate(program, self.config)
+            if isinstance(program, GroupedProgram):
+                rep = estimate_grouped(program, self.config)
+            else:
+                rep = estimate(program, self.config)
             if len(self._reports) > 4096:
                 self._reports.clear()
             self._reports[key] = rep
@@ -107,7 +111,7 @@ class SimulatedCard:
 
     def run(
         self,
-        program: Program,
+        program: Program | GroupedProgram,
         buffers: dict[str, torch.Tensor] | None = None,
         report: KernelReport | None = None,
     ) -> KernelReport:
@@ -120,7 +124,11 @@ class SimulatedCard:
         """
         rep = report or self.estimate(program)
         if buffers is not None and not _timing_only:
-            runner(program)(buffers)
+            if isinstance(program, GroupedProgram):
+                for phase in program.phases:  # one launch, the phases in turn
+                    runner(phase)(buffers)
+            else:
+                runner(program)(buffers)
         with self._lock:
             start = self.clock_s
             self.clock_s += rep.time_s

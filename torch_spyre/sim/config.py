@@ -30,16 +30,40 @@ import torch
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: PE-array throughput relative to fp16.  int8 x2 and int4 x4 are derived in
-#: hardware.md (int4 ~393 TOPS, consistent with "> 300 TOPS").  bf16 is taken
-#: at the fp16 rate (same 16-bit datapath; assumed).  fp32 is not a PE-array
-#: type: modelled as 4 fp16 passes (assumed, no public figure).
+#: hardware.md (int4 ~393 TOPS, consistent with "> 300 TOPS"); fp8 (e4m3 and
+#: e5m2) is 8-bit data like int8, taken at the same x2 (derived: hardware.md
+#: lists fp8 with int8 among the quantised types, and the 8-bit rate is a
+#: property of the 8-bit datapath).  bf16 is taken at the fp16 rate (same
+#: 16-bit datapath; assumed).  fp32 is not a PE-array type: modelled as 4 fp16
+#: passes (assumed, no public figure).
 PE_RATE_VS_FP16: dict[torch.dtype, float] = {
     torch.float16: 1.0,
     torch.bfloat16: 1.0,
     torch.int8: 2.0,
     torch.uint8: 2.0,
+    torch.float8_e4m3fn: 2.0,
+    torch.float8_e5m2: 2.0,
     torch.float32: 0.25,
 }
+
+#: 8-bit types the PE array consumes at its 8-bit rate (both operands 8-bit)
+EIGHT_BIT: frozenset[torch.dtype] = frozenset(
+    (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+)
+
+
+def pe_rate(a: torch.dtype, b: torch.dtype | None = None) -> float:
+    """PE throughput relative to fp16 of a matmul of ``a`` and ``b`` data.
+
+    The 8-bit rate needs both operands 8-bit (W8A8: ``aten._scaled_mm``); a
+    matmul of 16-bit activations with 8-bit weights dequantised in LX (W8A16)
+    runs at the activations' rate.  Otherwise the rate of ``a`` (the left
+    operand, the activation), as it always was.
+    """
+    if a in EIGHT_BIT:
+        return 2.0 if b is None or b in EIGHT_BIT else 1.0
+    return PE_RATE_VS_FP16.get(a, 0.25)
+
 
 #: Vector-unit (SFU) cost classes: cycles per stick processed.  "simple"
 #: (add, mul, max, compare, cast): one stick per cycle (assumed: the vector
@@ -188,10 +212,16 @@ class HardwareConfig:
         """fp16 MACs per cycle of one core's PE arrays (all corelets)."""
         return self.corelets_per_core * self.pe_rows * self.pe_cols * self.pe_lanes
 
-    def peak_flops(self, dtype: torch.dtype = torch.float16, cores: int | None = None) -> float:
-        """PE-array peak (2 FLOP per MAC) of ``cores`` cores (default: all)."""
+    def peak_flops(
+        self,
+        dtype: torch.dtype = torch.float16,
+        cores: int | None = None,
+        b_dtype: torch.dtype | None = None,
+    ) -> float:
+        """PE-array peak (2 FLOP per MAC) of ``cores`` cores (default: all), for
+        ``dtype`` data (with ``b_dtype``, a matmul of the two: ``pe_rate``)."""
         n = self.cores if cores is None else cores
-        rate = PE_RATE_VS_FP16.get(dtype, 0.25)
+        rate = pe_rate(dtype, b_dtype)
         return 2.0 * self.macs_per_cycle_per_core * n * self.clock_hz * rate
 
     def vector_elems_per_cycle(self, dtype: torch.dtype = torch.float16) -> float:

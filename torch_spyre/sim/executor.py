@@ -20,6 +20,7 @@ through ``hostviews`` (host-layout views kept across launches).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ from torch_spyre.sim.program import (
     ProgramError,
     Reduce,
     RingAllReduce,
+    Scan,
     Store,
     Vector,
     step_reads,
@@ -58,7 +60,8 @@ def _rounder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float32 if dt in _HALF else dt
+    # 16-bit and 8-bit floats are computed in fp32 and rounded once
+    return torch.float32 if dt in _HALF or dt in layout_mod.FP8_DTYPES else dt
 
 
 def _held_dtype(operand: torch.dtype, buffer: torch.dtype) -> torch.dtype:
@@ -285,6 +288,26 @@ def _build_store(program: Program, s: Store, dims: dict) -> Callable:
     align = _Align(src, tuple(d for d in s.index if d is not None))
     operand, buffer, host_size = s.operand, s.buffer, layout.host_size
     written = VIEWS.written
+    if s.offsets:
+        # a sub-block: the device offsets of its elements, from the layout's
+        # per-dim offset tables (only those elements are written)
+        block = [1 if d is None else program.dim(d).size for d in s.index]
+        offs = torch.zeros((), dtype=torch.int64)
+        for k, (off, n) in enumerate(zip(s.offsets, block)):
+            tab = layout.dim_offsets[k][off : off + n]
+            offs = offs + tab.reshape([1] * k + [n] + [1] * (len(block) - k - 1))
+        flat_offs = offs.reshape(-1)
+        dtype = layout.dtype
+
+        def store_block(buffers: Buffers, env: dict) -> None:
+            mem = buffers[operand]
+            try:
+                vals = align(env[buffer]).reshape(-1).to(dtype)
+                mem.reshape(-1)[flat_offs] = vals
+            finally:
+                written(mem)
+
+        return store_block
 
     def store(buffers: Buffers, env: dict) -> None:
         mem = buffers[operand]
@@ -328,7 +351,18 @@ def _split_axis(
     """Split axis ``ax`` into (cores, per-core chunk); the core axis goes first."""
     if chunk * cores != size:
         padding = [0, 0] * (t.dim() - ax - 1) + [0, chunk * cores - size]
-        t = torch.nn.functional.pad(t, padding, value=pad)
+        if not t.is_floating_point() and t.dtype != torch.bool and math.isinf(pad):
+            # an integer max/min pads with its type's extreme, not +-inf (F.pad
+            # takes its value through a double: int64's extremes do not survive)
+            info = torch.iinfo(t.dtype)
+            fill = torch.full(
+                (*t.shape[:ax], chunk * cores - size, *t.shape[ax + 1 :]),
+                info.max if pad > 0 else info.min,
+                dtype=t.dtype,
+            )
+            t = torch.cat([t, fill], dim=ax)
+        else:
+            t = torch.nn.functional.pad(t, padding, value=pad)
     return t.unflatten(ax, (cores, chunk)).movedim(ax, 0)
 
 
@@ -406,6 +440,35 @@ def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
     return reduce
 
 
+def _build_scan(program: Program, s: Scan, dims: dict) -> Callable:
+    out_buf = program.buffer(s.out)
+    out_dims = out_buf.dims
+    ax = out_dims.index(s.dim)
+    aligns = tuple(_Align(dims[x], out_dims) for x in s.inputs)
+    inputs, out, op, out_dtype = s.inputs, s.out, s.op, out_buf.dtype
+    shape = tuple(program.dim(d).size for d in out_dims)
+    f32 = torch.float32
+    dims[out] = out_dims
+
+    def scan(buffers: Buffers, env: dict) -> None:
+        args = [a(env[x]).to(f32) for a, x in zip(aligns, inputs)]
+        if op == "cumsum":
+            env[out] = torch.cumsum(args[0].expand(shape), ax).to(out_dtype)
+            return
+        a, u = args[0].expand(shape), args[1].expand(shape)
+        prev = args[2].expand(shape).narrow(ax, 0, 1) if len(args) == 3 else None
+        res = torch.empty(shape, dtype=f32)
+        for i in range(shape[ax]):  # element i needs element i - 1
+            cur = u.narrow(ax, i, 1)
+            if prev is not None:
+                cur = a.narrow(ax, i, 1) * prev + cur
+            res.narrow(ax, i, 1).copy_(cur)
+            prev = cur
+        env[out] = res.to(out_dtype)
+
+    return scan
+
+
 def _build_allreduce(program: Program, s: RingAllReduce, dims: dict) -> Callable:
     rd = ops_mod.reduction(s.op)
     src = dims[s.buffer]
@@ -429,6 +492,7 @@ _STEP_BUILDERS: dict[type, Callable] = {
     Vector: _build_vector,
     Matmul: _build_matmul,
     Reduce: _build_reduce,
+    Scan: _build_scan,
     RingAllReduce: _build_allreduce,
 }
 
@@ -464,8 +528,9 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
     bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
     if not (
         len(layouts) == 1
-        and all(s.index == names for s in loads)
+        and all(s.index == names and not s.offsets for s in loads)
         and store.index == names
+        and not store.offsets
         and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
         and tuple(vec.inputs) == tuple(s.buffer for s in loads)
         and vec.out == store.buffer

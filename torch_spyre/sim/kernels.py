@@ -14,6 +14,9 @@ import torch
 
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 from torch_spyre.sim.config import HardwareConfig
+
+# flash attention lives in sim/flash.py; re-exported where the builders always were
+from torch_spyre.sim.flash import best_flash_attention, flash_attention  # noqa: F401
 from torch_spyre.sim.program import (
     Buffer,
     Dim,
@@ -555,264 +558,6 @@ def best_matmul(
     return best[1]
 
 
-# ------------------------------------------------------ flash attention
-#: running-max start of the online softmax: finite, so a fully masked row
-#: gives exp(-inf - (-3e38)) = 0 (and an output of 0), never inf - inf
-_NEG_BIG = -3.0e38
-
-
-def _greedy_split(sizes: tuple[int, ...], cores: int) -> tuple[int, ...]:
-    """Cores over dims in order: each takes as many as it can use."""
-    out, rem = [], cores
-    for n in sizes:
-        p = max(1, min(n, rem))
-        out.append(p)
-        rem //= p
-    return tuple(out)
-
-
-def flash_attention(
-    b: int,
-    hq: int,
-    hk: int,
-    sq: int,
-    skv: int,
-    d: int,
-    dtype: torch.dtype = torch.float16,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    mask: tuple[tuple[int, int, int, int], torch.dtype] | None = None,
-    split: tuple[int, int, int, int] | None = None,
-    tiles: tuple[int, int] | None = None,
-    double_buffer: bool = True,
-    out_buffer: bool = True,
-    heads_last: bool = False,
-    config: HardwareConfig | None = None,
-    name: str | None = None,
-) -> Program:
-    """Scaled dot-product attention in one program (flash attention).
-
-    ``out = softmax(q k^T * scale + mask) v`` per head, grouped KV heads
-    (``hq = hk * g``): the ``g`` query heads sharing a KV head sit on one
-    core, or on a group of cores that each read 1/g of every K/V tile and
-    share it over the ring, so K and V are read once per group.  Per block
-    of ``tq`` queries the Q tile stays in LX; K/V tiles of ``tk`` keys stream
-    through; ``s = q @ k^T`` on the PE array; the online softmax (running
-    max ``m`` and sum ``l``, both rescaled by ``exp(m_old - m_new)``) and the
-    rescaled ``o += p @ v`` accumulate in LX; scores never leave the LX.
-    ``causal``: keys after the query are masked (top-left aligned, as
-    ``is_causal``) and K/V tiles wholly above the diagonal are skipped
-    (``Dim.causal_to``).  ``mask``: (shape, dtype) of a 4-D mask
-    [B or 1, Hq or 1, Sq or 1, Skv or 1], boolean (True = attend) or
-    additive.
-
-    Operands: ``q`` and ``out`` [b, hk, g, sq, d] (the bytes of
-    [b, hq, sq, d]), ``k``, ``v`` [b, hk, skv, d], ``mask``, and with
-    ``causal`` the positions ``qpos`` [sq], ``kvpos`` [skv] (fp32).
-    ``split``: cores over (b, hk, g, sq); ``tiles``: (tq, tk);
-    ``out_buffer``: normalise into a separate (double-buffered) output tile,
-    or in place in the fp32 accumulator (less LX: larger query tiles).
-    ``heads_last``: ``out`` is [b, sq, hk, g, d] (the bytes of [b, sq, hq,
-    d], what ``out.transpose(1, 2).contiguous()`` would give): the store
-    writes the rows of each head into the token-major layout the output
-    projection reads, so no separate permute pass runs.
-    """
-    cfg = config or HardwareConfig()
-    if hq % hk:
-        raise ProgramError(f"flash attention: {hq} query heads do not group over {hk} KV heads")
-    g = hq // hk
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    if split is None:
-        split = _greedy_split((b, hk, g, sq), cfg.cores)
-    pb, ph, pg, pq = split
-    eq = ceil_div(sq, pq)
-    tq, tk = tiles if tiles is not None else (min(eq, 128), min(skv, 128))
-    f32 = torch.float32
-    acc = f32 if dtype != torch.float64 else dtype
-    dims = (
-        Dim("b", b, pb, 1),
-        Dim("h", hk, ph, 1),
-        Dim("g", g, pg),
-        Dim("q", sq, pq, tq),
-        Dim("kv", skv, 1, tk, causal_to="q" if causal else None),
-        Dim("d", d),
-    )
-    l3 = ("b", "h", "q")
-    l4 = l3 + ("kv",)
-    qi = ("b", "h", "g", "q", "d")
-    ki = ("b", "h", "kv", "d")
-    row = ("b", "h", "g", "q")
-    sc = ("b", "h", "g", "q", "kv")
-    # a K/V tile is shared by the cores splitting g and q (read once per group)
-    kv_mc = pg * pq > 1
-    db = double_buffer
-    operands = [
-        Operand("q", SpyreTensorLayout.default((b, hk, g, sq, d), dtype), "input"),
-        Operand("k", SpyreTensorLayout.default((b, hk, skv, d), dtype), "input"),
-        Operand("v", SpyreTensorLayout.default((b, hk, skv, d), dtype), "input"),
-    ]
-    buffers = [
-        Buffer("qt", qi, dtype, db),
-        Buffer("kt", ki, dtype, db),
-        Buffer("vt", ki, dtype, db),
-        Buffer("s", sc, acc),
-        Buffer("p", sc, dtype),
-        Buffer("m", row, acc),
-        Buffer("mt", row, acc),
-        Buffer("al", row, acc),
-        Buffer("l", row, acc),
-        Buffer("o", qi, acc),
-    ]
-    y = "y" if out_buffer else "o"
-    if out_buffer:
-        buffers.append(Buffer("y", qi, dtype, db))
-    steps: list = [
-        Load("qt", "q", qi, l3),
-        Vector("fill", "m", (), (_NEG_BIG,), l3),
-        Vector("fill", "l", (), (0.0,), l3),
-        Vector("fill", "o", (), (0.0,), l3),
-    ]
-    if causal:
-        operands += [
-            Operand("qpos", SpyreTensorLayout.default((sq,), f32), "input"),
-            Operand("kvpos", SpyreTensorLayout.default((skv,), f32), "input"),
-        ]
-        buffers += [
-            Buffer("qp", ("q",), f32, db),
-            Buffer("kp", ("kv",), f32, db),
-            Buffer("keep", ("q", "kv"), torch.bool),
-        ]
-        steps.append(Load("qp", "qpos", ("q",), l3))
-    steps += [
-        Load("kt", "k", ki, l4, multicast=kv_mc),
-        Load("vt", "v", ki, l4, multicast=kv_mc),
-        Matmul("s", "qt", "kt", l4),
-        Vector("mul_scalar", "s", ("s",), (scale,), l4),
-    ]
-    if causal:
-        steps += [
-            Load("kp", "kvpos", ("kv",), l4),
-            Vector("le", "keep", ("kp", "qp"), (), l4),
-            Vector("keep_or_fill", "s", ("s", "keep"), (-math.inf,), l4),
-        ]
-    if mask is not None:
-        (mb, mh, mq, mk), mdtype = mask
-        if mh > 1:
-            mshape: tuple[int, ...] = (mb, hk, g, mq, mk)
-            midx: tuple[str | None, ...] = ("b", "h", "g", "q", "kv")
-        else:
-            mshape, midx = (mb, 1, mq, mk), ("b", None, "q", "kv")
-        midx = tuple(
-            None
-            if (dn is not None and mshape[i] == 1 and dict(b=b, h=hk, g=g, q=sq, kv=skv)[dn] > 1)
-            else dn
-            for i, dn in enumerate(midx)
-        )
-        mdims = tuple(x for x in midx if x is not None)
-        operands.append(Operand("mask", SpyreTensorLayout.default(mshape, mdtype), "input"))
-        buffers.append(Buffer("mk", mdims, mdtype, db))
-        group = math.prod(dd.cores for dd in dims if dd.cores > 1 and dd.name not in mdims)
-        steps.append(Load("mk", "mask", midx, l4, multicast=group > 1))
-        if mdtype == torch.bool:
-            steps.append(Vector("keep_or_fill", "s", ("s", "mk"), (-math.inf,), l4))
-        else:
-            steps.append(Vector("add", "s", ("s", "mk"), (), l4))
-    steps += [
-        # online softmax: running max (the reduction accumulates over kv tiles)
-        Reduce("max", "mt", "s", "kv", l4),
-        Vector("maximum", "mt", ("mt", "m"), (), l4),
-        Vector("sub", "al", ("m", "mt"), (), l4),
-        Vector("exp", "al", ("al",), (), l4),
-        Vector("copy", "m", ("mt",), (), l4),
-        Vector("sub", "s", ("s", "mt"), (), l4),
-        Vector("exp", "p", ("s",), (), l4),
-        # rescale the running sum and output, then accumulate this tile
-        Vector("mul", "l", ("l", "al"), (), l4),
-        Reduce("sum", "l", "p", "kv", l4),
-        Vector("mul", "o", ("o", "al"), (), l4),
-        Matmul("o", "p", "vt", l4),
-        # normalise once per query block (a fully masked row has o = l = 0)
-        Vector("add_scalar", "l", ("l",), (1e-30,), l3),
-        Vector("reciprocal", "l", ("l",), (), l3),
-        Vector("mul", y, ("o", "l"), (), l3),
-        Store("out", y, ("b", "q", "h", "g", "d") if heads_last else qi, l3),
-    ]
-    oshape = (b, sq, hk, g, d) if heads_last else (b, hk, g, sq, d)
-    operands.append(Operand("out", SpyreTensorLayout.default(oshape, dtype), "output"))
-    return Program(
-        name=name
-        or f"flash_attn_{b}x{hq}x{sq}x{skv}x{d}"
-        + ("_causal" if causal else "")
-        + (f"_gqa{g}" if g > 1 else "")
-        + ("_mask" if mask is not None else "")
-        + ("_bshd" if heads_last else ""),
-        dims=dims,
-        operands=tuple(operands),
-        buffers=tuple(buffers),
-        steps=tuple(steps),
-        loop_order=l4,
-    )
-
-
-def best_flash_attention(
-    b: int,
-    hq: int,
-    hk: int,
-    sq: int,
-    skv: int,
-    d: int,
-    dtype: torch.dtype = torch.float16,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    mask: tuple[tuple[int, int, int, int], torch.dtype] | None = None,
-    heads_last: bool = False,
-    config: HardwareConfig | None = None,
-    name: str | None = None,
-) -> Program:
-    """The flash-attention program the timing model finds fastest: core
-    splits (query heads of a group on one core, or on several with K/V
-    multicast), query and key tiles that fit the LX, double buffered or not."""
-    from torch_spyre.sim.timing import estimate
-
-    cfg = config or HardwareConfig()
-    g = hq // hk if hk and hq % hk == 0 else 1
-    splits = {
-        _greedy_split((b, hk, g, sq), cfg.cores),
-        _greedy_split((b, hk, sq, g), cfg.cores)[:2]
-        + _greedy_split((b, hk, sq, g), cfg.cores)[3:]
-        + _greedy_split((b, hk, sq, g), cfg.cores)[2:3],
-    }
-    best: tuple[float, Program] | None = None
-    for split in sorted(splits):
-        eq = ceil_div(sq, split[3])
-        tqs = sorted({min(eq, t) for t in (64, 128, 256, 512, eq)})
-        tks = sorted({min(skv, t) for t in (64, 128, 256)})
-        for db in (True, False):
-            for tq, tk, ob in itertools.product(tqs, tks, (True, False)):
-                p = flash_attention(
-                        b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
-                        split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
-                        heads_last=heads_last, config=cfg, name=name,
-                    )  # fmt: skip
-                try:
-                    p.validate(cfg)
-                except ProgramError:
-                    continue
-                t = estimate(p, cfg).time_s
-                if best is None or t < best[0] - 1e-12:
-                    best = (t, p)
-            if best is not None:
-                break  # single buffering only when nothing double buffered fits
-    if best is None:
-        raise ProgramError(
-            f"flash attention {b}x{hq}x{sq}x{skv}x{d}: no tiling fits the LX "
-            f"({cfg.lx_bytes} bytes per core)"
-        )
-    return best[1]
-
-
 # ------------------------------------------------------ fused SwiGLU MLP
 def swiglu_mlp(
     b: int,
@@ -995,11 +740,21 @@ def best_swiglu_mlp(
     se = stick_elems(dtype)
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
-    for pb, pm, pn in itertools.product(pows if batched else [1], pows, pows):
-        if pb * pm * pn > cfg.cores or pb > b or pm > m or pn > ceil_div(n, se):
-            continue
-        if pb * pm * pn < cfg.cores // 2 and (pb < b or pm < m or pn < ceil_div(n, se)):
-            continue  # leaves half the card idle although there is work to split
+    splits = [
+        (pb, pm, pn)
+        for pb, pm, pn in itertools.product(pows if batched else [1], pows, pows)
+        if pb * pm * pn <= cfg.cores and pb <= b and pm <= m and pn <= ceil_div(n, se)
+    ]
+    busy = [
+        s
+        for s in splits
+        # not one that leaves half the card idle although there is work to split
+        if not (
+            s[0] * s[1] * s[2] < cfg.cores // 2 and (s[0] < b or s[1] < m or s[2] < ceil_div(n, se))
+        )
+    ]
+    # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
+    for pb, pm, pn in busy or splits:
         em = ceil_div(m, pm)
         en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
         tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})

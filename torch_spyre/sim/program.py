@@ -140,6 +140,11 @@ class Store:
     buffer: str
     index: tuple[str | None, ...]
     loops: tuple[str, ...] = ()
+    #: first element written along each host dim (() = all 0): the store
+    #: writes a sub-block of the operand (as ``Load.offsets``; the stick
+    #: dim's offset is whole sticks), e.g. one expert's rows of a grouped
+    #: output
+    offsets: tuple[int, ...] = ()
     kind: Literal["store"] = "store"
 
 
@@ -182,6 +187,33 @@ class Reduce:
 
 
 @dataclass(frozen=True)
+class Scan:
+    """A sequential scan along ``dim`` on the vector units (fp32):
+
+    * ``cumsum``: ``out[i] = out[i-1] + x[i]`` (inputs ``(x,)``);
+    * ``linrec``: ``out[i] = a[i] * out[i-1] + u[i]`` (inputs ``(a, u)`` or
+      ``(a, u, init)``; ``out[-1] = init``, a buffer without ``dim``, else 0):
+      the state passing of a state-space model.
+
+    Element i needs element i-1: the scanned dim is walked one element after
+    another (never split over cores, never packed into vector lanes), the
+    other dims of the output are the vector work of each element.  Inside a
+    loop over ``dim`` the scan carries its state from one tile to the next.
+    """
+
+    op: str
+    out: str
+    inputs: tuple[str, ...]
+    dim: str
+    loops: tuple[str, ...] = ()
+    kind: Literal["scan"] = "scan"
+
+
+#: the scans the IR knows, with the number of buffer inputs (with / without an init)
+SCANS: dict[str, tuple[int, ...]] = {"cumsum": (1,), "linrec": (2, 3)}
+
+
+@dataclass(frozen=True)
 class RingAllReduce:
     """Combine the per-core partials of ``buffer`` over the cores splitting ``dim``."""
 
@@ -192,13 +224,14 @@ class RingAllReduce:
     kind: Literal["allreduce"] = "allreduce"
 
 
-Step = Load | Store | Matmul | Vector | Reduce | RingAllReduce
+Step = Load | Store | Matmul | Vector | Reduce | Scan | RingAllReduce
 _STEP_TYPES: dict[str, type] = {
     "load": Load,
     "store": Store,
     "matmul": Matmul,
     "vector": Vector,
     "reduce": Reduce,
+    "scan": Scan,
     "allreduce": RingAllReduce,
 }
 
@@ -208,7 +241,7 @@ def step_reads(s: Step) -> tuple[str, ...]:
         return (s.buffer,)
     if isinstance(s, Matmul):
         return (s.a, s.b)
-    if isinstance(s, Vector):
+    if isinstance(s, Vector | Scan):
         return s.inputs
     if isinstance(s, Reduce):
         return (s.input,)
@@ -220,7 +253,7 @@ def step_reads(s: Step) -> tuple[str, ...]:
 def step_writes(s: Step) -> str | None:
     if isinstance(s, Load):
         return s.buffer
-    if isinstance(s, Matmul | Vector | Reduce):
+    if isinstance(s, Matmul | Vector | Reduce | Scan):
         return s.out
     if isinstance(s, RingAllReduce):
         return s.buffer
@@ -429,7 +462,7 @@ class Program:
                 raise ProgramError(f"{at}: writes unknown buffer {w!r}")
             if isinstance(s, Load | Store):
                 self._check_transfer(s, at, operand_names)
-            if isinstance(s, Store | Vector | Matmul):
+            if isinstance(s, Store | Vector | Matmul | Scan):
                 for r in step_reads(s):
                     if partial.get(r):
                         raise ProgramError(
@@ -476,6 +509,9 @@ class Program:
                 partial[s.out] = set(partial.get(s.input, set()))
                 if self.dim(s.dim).cores > 1:
                     partial[s.out].add(s.dim)
+            elif isinstance(s, Scan):
+                self._check_scan(s, at)
+                partial[s.out] = set()
             elif isinstance(s, RingAllReduce):
                 if s.op not in ops_mod.REDUCTIONS:
                     raise ProgramError(f"{at}: unknown reduction {s.op!r}")
@@ -495,6 +531,33 @@ class Program:
         self._check_lx(cfg, where)
         self._check_span(cfg, where)
         return self
+
+    def _check_scan(self, s: Scan, at: str) -> None:
+        if s.op not in SCANS or len(s.inputs) not in SCANS[s.op]:
+            raise ProgramError(
+                f"{at}: unknown scan {s.op!r} with {len(s.inputs)} inputs; known: "
+                + ", ".join(f"{k} ({'/'.join(map(str, v))} inputs)" for k, v in SCANS.items())
+            )
+        out = set(self.buffer(s.out).dims)
+        if s.dim not in out:
+            raise ProgramError(f"{at}: scan over {s.dim!r} but {s.out!r} has dims {sorted(out)}")
+        if self.dim(s.dim).cores > 1:
+            raise ProgramError(
+                f"{at}: scan over {s.dim!r}, which is split over {self.dim(s.dim).cores} cores: "
+                "a scan walks its dim in order on one core"
+            )
+        scanned = s.inputs[:2] if s.op == "linrec" else s.inputs
+        for x in scanned:
+            if not set(self.buffer(x).dims) <= out:
+                raise ProgramError(
+                    f"{at}: scan input {x!r} dims {self.buffer(x).dims} are not dims of {s.out!r}"
+                )
+        if len(s.inputs) == 3:
+            init = set(self.buffer(s.inputs[2]).dims)
+            if s.dim in init or not init <= out:
+                raise ProgramError(
+                    f"{at}: scan init {s.inputs[2]!r} must have dims of {s.out!r} without {s.dim!r}"
+                )
 
     def _check_transfer(self, s: Load | Store, at: str, operand_names: set[str]) -> None:
         if s.operand not in operand_names:
@@ -742,7 +805,8 @@ def _step_text(s: Step) -> str:
         at = f" from {list(s.offsets)}" if any(s.offsets) else ""
         return f"load   {s.buffer} <- {s.operand}[{_idx(s.index)}]{at}{mc}"
     if isinstance(s, Store):
-        return f"store  {s.operand}[{_idx(s.index)}] <- {s.buffer}"
+        at = f" at {list(s.offsets)}" if any(s.offsets) else ""
+        return f"store  {s.operand}[{_idx(s.index)}]{at} <- {s.buffer}"
     if isinstance(s, Matmul):
         return f"matmul {s.out} += {s.a} @ {s.b}   (PE array)"
     if isinstance(s, Vector):
@@ -750,4 +814,6 @@ def _step_text(s: Step) -> str:
         return f"vector {s.out} = {s.op}({', '.join(args)})"
     if isinstance(s, Reduce):
         return f"reduce {s.out} = {s.op}({s.input}, over {s.dim})"
+    if isinstance(s, Scan):
+        return f"scan   {s.out} = {s.op}({', '.join(s.inputs)}, along {s.dim})   (sequential)"
     return f"ring   allreduce-{s.op} {s.buffer} over cores splitting {s.dim}"

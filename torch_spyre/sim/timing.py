@@ -28,13 +28,14 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torch_spyre.sim import ops as ops_mod
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.config import HardwareConfig, pe_rate
 from torch_spyre.sim.program import (
     Load,
     Matmul,
     Program,
     Reduce,
     RingAllReduce,
+    Scan,
     Step,
     Store,
     Vector,
@@ -201,7 +202,7 @@ def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig) -> float:
             cyc *= cv.dim_sum(s, d, (lambda x, q=q: -(-x // q)) if last else (lambda x: x))
     for d in batch:
         cyc *= cv.dim_sum(s, d)
-    rate = {torch.int8: 2.0, torch.uint8: 2.0, torch.float32: 0.25}.get(a.dtype, 1.0)
+    rate = pe_rate(a.dtype, b.dtype)
     fill = cfg.pe_rows + cfg.pe_cols  # systolic fill and drain per tile
     instances = math.prod(cv.tiles(d) for d in s.loops)
     return cyc / rate + fill * instances
@@ -348,11 +349,13 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     parts["overhead"] = cycles - max(parts.values())
     bottleneck = max(parts, key=lambda k: parts[k])
     flops = sum(_matmul_flops(p, s) for s in p.steps if isinstance(s, Matmul))
-    mm_dtype = next((p.buffer(s.a).dtype for s in p.steps if isinstance(s, Matmul)), torch.float16)
+    mm = next((s for s in p.steps if isinstance(s, Matmul)), None)
+    mm_dtype = p.buffer(mm.a).dtype if mm is not None else torch.float16
+    mm_b_dtype = p.buffer(mm.b).dtype if mm is not None else None
     compulsory = sum(o.layout.nbytes for o in p.operands)
     roof = max(
         compulsory / cfg.memory_bandwidth_Bps,
-        flops / cfg.peak_flops(mm_dtype),
+        flops / cfg.peak_flops(mm_dtype, b_dtype=mm_b_dtype),
         vector_ops / cfg.peak_vector_ops(),
     )
     util = sum(max(busy["pe"][i], busy["vector"][i]) for i in range(ncores)) / ncores / cycles
@@ -421,6 +424,20 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
             cfg.sfu_cycles(c) for c in ops_mod.reduction(s.op).extra_cost
         )
         return _Cost({"vector": (sticks * per_stick + tree) / cfg.corelets_per_core})
+    if isinstance(s, Scan):
+        # element i waits for element i - 1: the scanned dim is walked one
+        # element at a time, the vector lanes cover the other dims
+        out = p.buffer(s.out)
+        rest = tuple(d for d in out.dims if d != s.dim)
+        lanes = _lanes(cfg, out.dtype)
+        sticks = cv.count(s, out.dims) * cv.dim_sum(s, s.dim)
+        for d in rest[:-1]:
+            sticks *= cv.dim_sum(s, d)
+        if rest:
+            sticks *= cv.dim_sum(s, rest[-1], lambda n: -(-n // lanes))
+        # linrec: a multiply and an add per element
+        per = (2 if s.op == "linrec" else 1) * cfg.sfu_cycles("simple")
+        return _Cost({"vector": sticks * per / cfg.corelets_per_core})
     assert isinstance(s, RingAllReduce)
     buf = p.buffer(s.buffer)
     group = p.dim(s.dim).cores
@@ -443,6 +460,8 @@ def _vector_ops(p: Program, s: Step) -> float:
         return _elements(p, p.buffer(s.out).dims) * ops_mod.vector_op(s.op).flops
     if isinstance(s, Reduce):
         return _elements(p, p.buffer(s.input).dims)
+    if isinstance(s, Scan):
+        return _elements(p, p.buffer(s.out).dims) * (2 if s.op == "linrec" else 1)
     return 0.0
 
 

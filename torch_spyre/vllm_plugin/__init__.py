@@ -72,8 +72,9 @@ def register_ops() -> None:
     # Only when spyre is the platform: the layers assume spyre tensors.
     if getattr(current_platform, "device_name", None) != "spyre":
         return
-    from torch_spyre.vllm_plugin import layers, metrics, models
+    from torch_spyre.vllm_plugin import layers, metrics, models, quantization
 
     layers.register()
+    quantization.register()  # fp8 linear layers on the card
     models.register()
     metrics.install_api_server_collector()

@@ -235,12 +235,14 @@ def _pad(x: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def register_spyre_attention_ops() -> None:
-    """vLLM registers its attention custom ops for the platform's dispatch key (CPU,
-    as device_type is "cpu"); the same Python implementations serve spyre tensors."""
+    """vLLM registers its attention and MoE custom ops for the platform's dispatch
+    key (CPU, as device_type is "cpu"); the same Python implementations serve
+    spyre tensors (the MoE ones call the layer's quant method: vllm_plugin/moe.py)."""
     global _LIB
     if _LIB is not None:
         return
     from vllm.model_executor.layers.attention import attention as vllm_attention
+    from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
     lib = torch.library.Library("vllm", "IMPL")  # vLLM's own ops: one more kernel
     lib.impl("unified_kv_cache_update", vllm_attention.unified_kv_cache_update, "PrivateUse1")
@@ -249,6 +251,8 @@ def register_spyre_attention_ops() -> None:
         vllm_attention.unified_attention_with_output,
         "PrivateUse1",
     )
+    lib.impl("moe_forward", moe_runner._moe_forward, "PrivateUse1")
+    lib.impl("moe_forward_shared", moe_runner._moe_forward_shared, "PrivateUse1")
     _LIB = lib
 
 

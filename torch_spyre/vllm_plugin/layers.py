@@ -155,12 +155,29 @@ def _swap_quant_method(layer: torch.nn.Module, unquantized: type, spyre: type) -
     qm = getattr(layer, "quant_method", None)
     if qm is None:
         return
-    if type(qm) is not unquantized:
+    if type(qm) is unquantized:
+        layer.quant_method = spyre()
+        return
+    if not _runs_on_spyre(layer, qm):
         raise NotImplementedError(
             f"{type(layer).__name__}: quantization method {type(qm).__name__} is not "
-            "supported on spyre (unquantized fp32/fp16/bf16 weights only)"
+            "supported on spyre (unquantized fp32/fp16/bf16 weights, or fp8 weights: "
+            "--quantization fp8 / fp8_per_tensor / fp8_per_channel, fp8 checkpoints and "
+            "compressed-tensors fp8 checkpoints with per-tensor or per-channel scales)"
         )
-    layer.quant_method = spyre()
+
+
+def _runs_on_spyre(layer: torch.nn.Module, qm) -> bool:
+    """A quantised linear method whose kernel is spyre's (quantization.py)."""
+    from torch_spyre.vllm_plugin.quantization import SpyreFp8LinearKernel
+
+    scheme = getattr(layer, "scheme", None)  # compressed-tensors keeps it on the layer
+    kernels = (
+        getattr(qm, "fp8_linear", None),
+        getattr(scheme, "fp8_linear", None),
+        getattr(scheme, "linear_kernel", None),
+    )
+    return any(isinstance(k, SpyreFp8LinearKernel) for k in kernels)
 
 
 def _linear_class(base: type) -> type:
@@ -196,6 +213,14 @@ CUSTOM_OPS: dict[str, type] = {
     "SiluAndMul": SpyreSiluAndMul,
     "RotaryEmbedding": SpyreRotaryEmbedding,
 }
+
+
+def _custom_ops() -> dict[str, type]:
+    from torch_spyre.vllm_plugin.moe import SpyreFusedMoEMethod
+
+    return {**CUSTOM_OPS, "UnquantizedFusedMoEMethod": SpyreFusedMoEMethod}
+
+
 PLUGGABLE_LAYERS: dict[str, type] = {
     **{
         base.__name__: _linear_class(base)
@@ -217,7 +242,7 @@ def register() -> None:
     """Register every class above with vLLM (idempotent: plugins load per process)."""
     from vllm.model_executor.custom_op import op_registry_oot
 
-    for name, cls in CUSTOM_OPS.items():
+    for name, cls in _custom_ops().items():
         if op_registry_oot.get(name) is not cls:
             CustomOp.register_oot(cls, name=name)
     for name, cls in PLUGGABLE_LAYERS.items():

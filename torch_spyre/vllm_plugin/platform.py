@@ -35,7 +35,13 @@ class SpyrePlatform(Platform):
     dist_backend: str = "spyreccl"
     ray_device_key: str = ""
     simple_compile_backend: str = "eager"
-    supported_quantization: list[str] = []
+    #: fp8 weights (vllm_plugin/quantization.py); anything else is refused at start-up
+    supported_quantization: list[str] = [
+        "fp8",
+        "fp8_per_tensor",
+        "fp8_per_channel",
+        "compressed-tensors",
+    ]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -72,8 +78,11 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # The pure-Python vLLM build has no vllm._C; nothing here needs it.
-        return None
+        # The pure-Python vLLM build has no vllm._C: torch stand-ins for the one
+        # op of it the fp8 path calls (quantising weights at load time).
+        from torch_spyre.vllm_plugin import kernels
+
+        kernels.register_c_ops()
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:

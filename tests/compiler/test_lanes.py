@@ -1,0 +1,164 @@
+"""Compiled graphs that cut the stick dim below a stick, and the other ops whole
+transformers models needed: lane gathers and scatters on the PE array, cos/sin,
+isinf, constant negative indices, gathers routed to the device DMA kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_spyre
+from torch_spyre.compiler import lanes
+from torch_spyre.runtime import dispatch_stats
+from torch_spyre.testing import tolerances
+
+
+def _compiled(fn, *args, dtype=torch.float16):
+    """fn on the card, compiled (fullgraph), against the fp32 CPU; no host fallback."""
+    want = fn(*(a.float() if a.is_floating_point() else a for a in args))
+    dev = [a.to(dtype).to("spyre") if a.is_floating_point() else a.to("spyre") for a in args]
+    torch_spyre.reset_fallback_counts()
+    got = torch.compile(fn, fullgraph=True, dynamic=False)(*dev)
+    assert torch_spyre.fallback_counts() == {}
+    return got.cpu(), want
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_heads_narrower_than_a_stick(dtype):
+    """q.view(b, s, heads, 16).transpose(1, 2): pieces of 16 lanes of a 64-lane row."""
+
+    def f(x):
+        return x.view(1, 8, 4, 16).transpose(1, 2).contiguous() * 2
+
+    got, want = _compiled(f, torch.randn(8, 64), dtype=dtype)
+    torch.testing.assert_close(got.float(), want, **tolerances(dtype))
+
+
+def test_strided_lanes_of_a_fused_qkv():
+    """GPT-NeoX: qkv [s, heads * 3 * d] viewed [s, heads, 3d], queries = [..., :d]:
+    lanes 48 h + i (i < 16) of each row."""
+
+    def f(x):
+        q, k, v = x.view(8, 4, 48).split(16, dim=-1)
+        return (q + v).transpose(0, 1).contiguous()
+
+    got, want = _compiled(f, torch.randn(8, 192))
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_slices_not_on_a_stick_boundary_and_step_two():
+    """A slice from element 56 (Mamba's split) and DeepSeek's even/odd lanes."""
+
+    def f(x):
+        a = x[..., 56:72]
+        return a[..., 0::2] * a[..., 1::2]
+
+    got, want = _compiled(f, torch.randn(6, 128))
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_cats_and_slice_scatters_along_the_stick_dim():
+    def f(x, y):
+        key = torch.empty(4, 6, 32, device=x.device, dtype=x.dtype)
+        key[..., :16] = x * 3
+        key[..., 16:] = y.exp()
+        return torch.cat([key, x + 1], dim=-1)
+
+    got, want = _compiled(f, torch.randn(4, 6, 16), torch.randn(4, 6, 16))
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_rope_written_with_chunk():
+    def f(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    args = (torch.randn(2, 4, 8, 64), torch.randn(8, 64), torch.randn(8, 64))
+    got, want = _compiled(f, *args)
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_cos_and_sin_in_a_graph_are_the_polynomial():
+    """A rotary table computed in the graph (no table adapter): range reduction +
+    Horner polynomial as vector steps, angles of hundreds of radians."""
+
+    def f(pos, inv_freq):
+        ang = pos[:, None] * inv_freq[None, :]
+        return torch.cat([ang.cos(), ang.sin()], dim=-1)
+
+    pos = torch.arange(128, dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
+    got, want = _compiled(f, pos, inv, dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)  # fp32 range reduction of ~127 rad
+
+
+def test_isinf_any_as_t5_clamps_fp16():
+    def f(x):
+        big = torch.finfo(x.dtype).max
+        bound = torch.where(torch.isinf(x).any(), big - 1000, big)
+        return torch.clamp(x * 2, min=-bound, max=bound)
+
+    x = torch.randn(4, 96)
+    got, want = _compiled(f, x)
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_constant_negative_index():
+    """Falcon: key = qkv[:, :, [-2]] (an index tensor holding a constant)."""
+
+    def f(x):
+        return x[:, :, torch.tensor([-2], device=x.device)] * 2
+
+    got, want = _compiled(f, torch.randn(1, 8, 6, 64))
+    torch.testing.assert_close(got.float(), want, **tolerances(torch.float16))
+
+
+def test_gather_runs_the_device_kernel():
+    """BERT: token-type ids gathered through the position ids."""
+
+    def f(buf, pos):
+        return torch.gather(buf.expand(pos.shape[0], -1), 1, pos) * 2
+
+    buf = torch.zeros(1, 64, dtype=torch.long)
+    buf[0, 5:] = 1
+    pos = torch.arange(10).unsqueeze(0)
+    dispatch_stats.reset()
+    got = torch.compile(f, fullgraph=True, dynamic=False)(buf.to("spyre"), pos.to("spyre"))
+    assert torch.equal(got.cpu(), f(buf, pos))
+    assert dispatch_stats.counts("fallback") == {}
+
+
+def test_gather_tables():
+    t = lanes.table(8, 1, [(2, 3), (2, 1)], torch.float32)  # lanes 1 + 3 i + k
+    hits = {(j, i, k) for j, i, k in t.nonzero().tolist()}
+    assert hits == {(1, 0, 0), (2, 0, 1), (4, 1, 0), (5, 1, 1)}
+    assert lanes.needs_gather(64, [4, 16], 0, 32) and not lanes.needs_gather(64, [2, 32], 0, 32)
+    assert lanes.needs_gather(128, [16], 56, 64) and not lanes.needs_gather(128, [64], 64, 64)
+
+
+def test_sub_block_of_a_reshaped_dim():
+    """The last 6 positions of each of 2 heads of a [2 * 10, 32] projection (a
+    sliding-window cache keeping its window): pieces (2, 10) read from (0, 4)."""
+
+    def f(x):
+        return x.view(2, 10, 32)[:, 4:] * 2
+
+    got, want = _compiled(f, torch.randn(20, 32), dtype=torch.float32)
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+
+
+def test_rolled_cache_and_modular_indices():
+    """A full sliding-window cache shifts by one each decode step: roll is a
+    modular index, read by the device gather; the index itself is computed
+    in a kernel (fmod on the vector unit)."""
+
+    def f(cache, new):
+        rolled = cache.roll(-1, dims=-2)
+        rolled[:, :, torch.tensor([-1], device=cache.device)] = new
+        idx = (torch.arange(8, device=cache.device) + 3) % 8
+        return rolled[:, :, idx] + 1
+
+    got, want = _compiled(
+        f, torch.randn(1, 2, 8, 16), torch.randn(1, 2, 1, 16), dtype=torch.float32
+    )
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))

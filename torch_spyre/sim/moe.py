@@ -1,0 +1,151 @@
+"""Mixture-of-experts kernels: the experts of a layer as one grouped program.
+
+Tokens are first grouped by expert (rows of expert 0, then expert 1, ...,
+``counts[e]`` rows each) by the eager producer (``ops/moe.py``); the grouped
+program then runs one phase per expert that received tokens
+(``sim.grouped``):
+
+* ``grouped_swiglu``: ``y_g = (act(x_g @ Wg[e]^T) * (x_g @ Wu[e]^T)) @ Wd[e]^T``
+  scaled by each row's routing weight: the fused SwiGLU program of
+  ``kernels.best_swiglu_mlp`` for the expert's rows, reading the expert's
+  slices of the stacked weights in place (``W13 [E, 2I, H]``: the gate rows
+  ``0..I``, the up rows ``I..2I``; ``W2 [E, H, I]``) and its rows of the
+  grouped activations, writing its rows of the grouped output;
+* ``grouped_matmul``: ``y_g = x_g @ W[e]`` (``torch._grouped_mm``), each
+  phase the best plain matmul program of the expert's rows.
+
+Each phase's core split and tiles are those the timing model picks for the
+expert's row count (templates cached per row count), so a decode step (one
+row per active expert) streams each active expert's weights over all cores,
+and a prefill phase with many rows splits rows and hidden units.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.sim import kernels
+from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.grouped import GroupedProgram, rebase, scale_rows_before_store
+from torch_spyre.sim.program import Program, ProgramError, Vector
+
+
+@lru_cache(maxsize=256)
+def _swiglu_template(rows: int, h: int, i: int, dtype: torch.dtype, cfg: HardwareConfig) -> Program:
+    return kernels.best_swiglu_mlp(1, rows, h, i, h, dtype, batched=False, config=cfg)
+
+
+@lru_cache(maxsize=256)
+def _matmul_template(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig) -> Program:
+    return kernels.best_matmul(rows, n, k, dtype, config=cfg)
+
+
+def _phases(counts: tuple[int, ...]):
+    """(expert, first row, rows) of every expert with rows, in expert order."""
+    row0 = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, row0, n
+        row0 += n
+
+
+def grouped_swiglu(
+    counts: tuple[int, ...],
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    *,
+    act: str = "silu",
+    rows_total: int | None = None,
+    config: HardwareConfig | None = None,
+) -> GroupedProgram:
+    """The experts of a SwiGLU mixture-of-experts layer, one phase per active expert.
+
+    Operands: ``x`` [R, H] (rows grouped by expert), ``wg`` and ``wu`` (both the
+    stacked gate/up weights [E, 2I, H], bound to the same tensor), ``wd`` [E, H, I],
+    ``rw`` [R, 1] fp32 (each row's routing weight), ``out`` [R, H] (R = ``rows_total``,
+    at least ``sum(counts)``; rows past the counts are not written).
+    """
+    cfg = config or HardwareConfig()
+    num = len(counts)
+    r = rows_total if rows_total is not None else sum(counts)
+    if r < sum(counts):
+        raise ProgramError(f"grouped experts: {sum(counts)} routed rows but {r} rows of x")
+    lay = SpyreTensorLayout.default
+    x_l, out_l = lay((r, hidden), dtype), lay((r, hidden), dtype)
+    w13_l, w2_l = lay((num, 2 * inter, hidden), dtype), lay((num, hidden, inter), dtype)
+    rw_l = lay((r, 1), torch.float32)  # routers normalise their weights in fp32
+    phases = []
+    for e, row0, n in _phases(counts):
+        p = _swiglu_template(n, hidden, inter, dtype, cfg)
+        if act != "silu":
+            p = _with_activation(p, act)
+        p = rebase(p, "x", x_l, offsets=(row0, 0))
+        p = rebase(p, "wg", w13_l, lead=(e,))
+        p = rebase(p, "wu", w13_l, lead=(e,), offsets=(inter, 0))
+        p = rebase(p, "wd", w2_l, lead=(e,))
+        p = rebase(p, "out", out_l, offsets=(row0, 0))
+        p = scale_rows_before_store(p, "out", "rw", "m", rw_l, row0)
+        phases.append(_named(p, f"expert{e}_{n}rows"))
+    if not phases:
+        raise ProgramError("grouped experts: no expert received a token")
+    return GroupedProgram(
+        f"moe_swiglu_{len(phases)}of{num}x{hidden}x{inter}_{sum(counts)}rows", tuple(phases)
+    )
+
+
+def grouped_matmul(
+    counts: tuple[int, ...],
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    *,
+    weight_nk: bool,
+    rows_total: int | None = None,
+    config: HardwareConfig | None = None,
+) -> GroupedProgram:
+    """``out[rows of g] = a[rows of g] @ W[g]`` (``torch._grouped_mm``), one phase per group.
+
+    Operands ``a`` [R, K], ``b`` the stacked weights ([E, N, K] when
+    ``weight_nk``: a transposed view of it is what transformers passes, else
+    [E, K, N]), ``out`` [R, N].
+    """
+    cfg = config or HardwareConfig()
+    num = len(counts)
+    r = rows_total if rows_total is not None else sum(counts)
+    lay = SpyreTensorLayout.default
+    a_l, out_l = lay((r, k), dtype), lay((r, n), dtype)
+    b_l = lay((num, n, k) if weight_nk else (num, k, n), dtype)
+    phases = []
+    for e, row0, rows in _phases(counts):
+        p = _matmul_template(rows, k, n, dtype, cfg)
+        p = rebase(p, "a", a_l, offsets=(row0, 0))
+        p = rebase(p, "b", b_l, lead=(e,), perm=(1, 0) if weight_nk else None)
+        p = rebase(p, "out", out_l, offsets=(row0, 0))
+        phases.append(_named(p, f"group{e}_{rows}rows"))
+    if not phases:
+        raise ProgramError("grouped matmul: every group is empty")
+    return GroupedProgram(
+        f"grouped_mm_{len(phases)}of{num}x{k}x{n}_{sum(counts)}rows", tuple(phases)
+    )
+
+
+def _named(p: Program, name: str) -> Program:
+    return Program(name, p.dims, p.operands, p.buffers, p.steps, p.loop_order, dict(p.meta))
+
+
+def _with_activation(p: Program, act: str) -> Program:
+    from torch_spyre.sim import ops as sim_ops
+
+    if act not in sim_ops.VECTOR_OPS:
+        raise ProgramError(f"grouped experts: no vector op for the activation {act!r}")
+    steps = tuple(
+        Vector(act, s.out, s.inputs, s.scalars, s.loops)
+        if isinstance(s, Vector) and s.op == "silu"
+        else s
+        for s in p.steps
+    )
+    return Program(p.name, p.dims, p.operands, p.buffers, steps, p.loop_order, dict(p.meta))
