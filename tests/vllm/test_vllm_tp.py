@@ -99,6 +99,11 @@ def _tp1(model_dir: str) -> list[list[int]]:
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY),
     "qwen3": lambda: transformers.Qwen3Config(**TINY),
+    # vLLM's FusedMoE with its experts tensor-parallel (each card a slice of
+    # every expert's intermediate dim, one all-reduce after the experts)
+    "mixtral": lambda: transformers.MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2
+    ),
 }
 
 
