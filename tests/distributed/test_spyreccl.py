@@ -132,11 +132,12 @@ def test_interconnect_formula(n):
 
 
 def test_registered_backend():
+    """Registered through the public hook, for spyre tensors, as vLLM checks it."""
     import torch.distributed as dist
 
     import torch_spyre  # noqa: F401
 
     assert dist.Backend.SPYRECCL == "spyreccl"
-    assert dist.Backend.default_device_backend_map.get(
-        "spyre"
-    ) == "spyreccl" or "spyre" in dist.Backend.backend_capability.get("spyreccl", [])
+    assert dist.Backend.backend_capability["spyreccl"] == ["spyre"]
+    assert dist.Backend.default_device_backend_map["spyre"] == "spyreccl"
+    assert dist.is_backend_available("spyreccl")
