@@ -498,7 +498,9 @@ def estimate(
     (``models.quantized.QuantizedLinear``: read as 8-bit data, dequantised in
     LX; activations stay ``dtype``); the embedding and LM head stay ``dtype``,
     as the usual fp8 recipes leave them.
-    ``batch``: requests per step, all at the same position; ``tp``: cards the
+    ``batch``: requests per decode step, all at the same position (their
+    prefills run one request after another, as a serving token budget splits
+    them: one planned, counted ``batch`` times); ``tp``: cards the
     model is split over as vLLM's parallel layers split it (models/parallel.py;
     the plan is one card's shard plus the collectives).
     """
@@ -638,20 +640,23 @@ def estimate(
         for phase, tokens in (("prefill", prompt), ("decode", 1)):
             parts = prefill_parts if phase == "prefill" else decode_parts
             start = 0 if phase == "prefill" else prompt
-            ids = torch.zeros(batch, tokens, dtype=torch.long).to(dev)
+            # a batch's prefill runs request by request (as vLLM's token budget
+            # splits it): one request planned, counted ``batch`` times
+            pb, reps = (1, batch) if phase == "prefill" else (batch, 1)
+            ids = torch.zeros(pb, tokens, dtype=torch.long).to(dev)
             pos_h = torch.arange(start, start + tokens)
             pos = pos_h[None].to(dev)
             emb = compiled(embed_step)
             part, outs = _run_part(
-                "embedding + rotary tables", 1, lambda e=emb, i=ids, p=pos: e(i, p)
+                "embedding + rotary tables", reps, lambda e=emb, i=ids, p=pos: e(i, p)
             )
             parts.append(part)
             h, tables = outs[0], outs[1:]
             for i, kind in enumerate(kinds):
                 cos, sin = tables[2 * i], tables[2 * i + 1]
                 length = kv_len(kind)
-                keys = torch.empty(batch, n_kv, length, head_dim, dtype=dtype, device=dev)
-                values = torch.empty(batch, n_kv, length, head_dim, dtype=dtype, device=dev)
+                keys = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
+                values = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
                 if phase == "decode":
                     kv_bytes += counts[kind] * 2 * keys.numel() * itemsize
                     slot = pos_h % length
@@ -680,7 +685,7 @@ def estimate(
                 parts.append(
                     _run_part(
                         label,
-                        counts[kind],
+                        counts[kind] * reps,
                         lambda fn=fn, h=h, c=cos, s=sin, p=slot_d, k=keys, v=values, m=mask: fn(
                             h, c, s, p, k, v, m
                         ),
@@ -688,13 +693,13 @@ def estimate(
                 )
                 del keys, values
             hs = compiled(head_step)
-            parts.append(_run_part("final norm + LM head", 1, lambda f=hs, h=h: f(h))[0])
+            parts.append(_run_part("final norm + LM head", reps, lambda f=hs, h=h: f(h))[0])
             coll = parallel.collective_parts(
-                whole_cfg, tp, batch, tokens, itemsize, cfg.num_hidden_layers
+                whole_cfg, tp, pb, tokens, itemsize, cfg.num_hidden_layers
             )
             if coll:
                 parts.append(
-                    Part(f"collectives (TP {tp})", 1, sum(t for _, t in coll), kernels=coll)
+                    Part(f"collectives (TP {tp})", reps, sum(t for _, t in coll), kernels=coll)
                 )
             act = max(act, *(p.activation_bytes for p in parts))
     fallbacks = sum(int(v) for v in torch_spyre.fallback_counts().values())
