@@ -200,5 +200,8 @@ if __name__ == "__main__":
     globals()[scenario]()
     print("OK", flush=True)
     if scenario != "dead_peer":
+        # rank 0 hosts the store outside torchrun: nobody leaves before all have
+        # read their last messages (a host all_reduce, over the group's gloo)
+        dist.all_reduce(torch.zeros(1))
         dist.destroy_process_group()
     os._exit(0)
