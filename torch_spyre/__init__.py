@@ -37,6 +37,10 @@ from torch_spyre import compat as _compat  # noqa: E402
 
 _compat.install()  # IBM's public names (docs/compat.md)
 
+from torch_spyre import distributed as _distributed  # noqa: E402
+
+_distributed.register()  # the spyreccl c10d backend (docs/distributed.md)
+
 from torch_spyre.layout import SUPPORTED_DTYPES, SpyreTensorLayout  # noqa: E402
 from torch_spyre.runtime.fallback import (  # noqa: E402
     fallback_counts,

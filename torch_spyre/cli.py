@@ -2,7 +2,10 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL [--prompt N] [--new-tokens N] [--dtype fp16|fp8|int8] [--json out.json]
+    spyre estimate MODEL|config.json|FOLDER [--batch B] [--prompt N] [--new-tokens N] [--tp N]
+                   [--dtype fp16|fp8|int8] [--json out.json]
+    spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
+                   [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
 
 ``validate`` exits 1 when a validation threshold is missed.
 """
@@ -82,18 +85,29 @@ def _estimate(args: argparse.Namespace) -> int:
     import torch
 
     import torch_spyre
-    from torch_spyre.models import estimate
+    from torch_spyre.models import estimate, parallel
 
     torch_spyre.set_fallback_policy("silent")  # still counted and reported
-    names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
+    wdt = _WEIGHTS[args.dtype]
+    weights = None if wdt is None else getattr(torch, wdt)
+    if os.path.exists(args.model):  # a config.json or a checkpoint folder
+        cfg = parallel.load_config(args.model)
+        names = [args.model]
+    else:
+        cfg = None
+        names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
+    if args.serve:
+        return _serve_plan(args, names[0], cfg, weights)
     results = []
     for name in names:
-        wdt = _WEIGHTS[args.dtype]
         est = estimate.estimate(
             name,
             prompt=args.prompt,
             new_tokens=args.new_tokens,
-            weights=None if wdt is None else getattr(torch, wdt),
+            weights=weights,
+            config=cfg,
+            batch=args.batch,
+            tp=args.tp,
         )
         print(est.format())
         print()
@@ -102,6 +116,59 @@ def _estimate(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f, indent=1)
         print(f"wrote {args.json}")
+    return 0
+
+
+def _serve_plan(args: argparse.Namespace, name: str, cfg, weights) -> int:
+    import json
+
+    from torch_spyre.models import estimate, serve_plan
+
+    if cfg is None:
+        cfg = estimate.model_config(name)
+    rates = [float(r) for r in str(args.rate).split(",") if r.strip()]
+    if not rates:
+        raise SystemExit("--serve needs --rate R (requests/s; R1,R2,... for a sweep)")
+    batch = args.batch if args.batch > 1 else 32
+    common = dict(prompt=args.input_len, new_tokens=args.output_len, weights=weights,
+                  config=cfg, tp=args.tp)  # fmt: skip
+    print(f"planning {name} at batch 1 and {batch} on {args.tp} card(s) ...", flush=True)
+    one = estimate.estimate(name, batch=1, **common)
+    many = estimate.estimate(name, batch=batch, **common)
+    if not many.fits:
+        raise SystemExit(f"{name} at batch {batch}: {many.fit_text()}")
+    plans = []
+    for r in rates:
+        shown = [-1]
+
+        def bar(done: int, total: int, r=r, shown=shown) -> None:
+            if args.no_progress or done == shown[0]:
+                return
+            shown[0] = done
+            filled = 30 * done // total
+            print(f"\r  rate {r:g}/s [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+                  end="" if done < total else "\n", flush=True)  # fmt: skip
+
+        plans.append(
+            serve_plan.plan(
+                one,
+                many,
+                cfg,
+                rate=r,
+                input_len=args.input_len,
+                output_len=args.output_len,
+                requests=args.requests,
+                progress=bar,
+            )  # fmt: skip
+        )
+        print(plans[-1].format())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(serve_plan.dumps(plans) if len(plans) > 1 else json.dumps(plans[0].to_json()))
+        print(f"wrote {args.json}")
+    if args.plot:
+        serve_plan.sweep_plot(plans, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -134,8 +201,20 @@ def main(argv: list[str] | None = None) -> int:
         "estimate",
         help="plan a model too large to run here (public config, no weights) and model its time",
     )
-    e.add_argument("model", help="granite-3.3-8b, qwen3-8b, gemma-3-27b, or all")
-    e.add_argument("--prompt", type=int, default=1024, help="prefill tokens (batch 1)")
+    e.add_argument(
+        "model",
+        help="granite-3.3-8b, qwen3-8b, gemma-3-27b, all, or a transformers config.json / folder",
+    )
+    e.add_argument("--prompt", type=int, default=1024, help="prefill tokens per request")
+    e.add_argument("--batch", type=int, default=1, help="requests per step (--serve: max seqs)")
+    e.add_argument("--tp", type=int, default=1, help="cards, tensor parallel (1..8)")
+    e.add_argument("--serve", action="store_true", help="a serving plan (vLLM's scheduler)")
+    e.add_argument("--rate", default=None, help="--serve: requests/s (R1,R2,... to sweep)")
+    e.add_argument("--input-len", type=int, default=1024, help="--serve: prompt tokens")
+    e.add_argument("--output-len", type=int, default=128, help="--serve: new tokens")
+    e.add_argument("--requests", type=int, default=200, help="--serve: requests simulated")
+    e.add_argument("--plot", default=None, help="--serve: throughput vs rate PNG")
+    e.add_argument("--no-progress", action="store_true")
     e.add_argument(
         "--new-tokens", type=int, default=128, help="decode budget: sizes the static KV cache"
     )

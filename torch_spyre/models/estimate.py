@@ -48,6 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch_spyre.models import parallel
+
 # --------------------------------------------------------------------- the models
 #: Public config values of the real checkpoints (their Hugging Face config.json).
 MODELS: dict[str, dict[str, Any]] = {
@@ -201,6 +203,17 @@ class Estimate:
     weights_dtype: str = "float16"
     #: parameters of those quantised weights (the rest stay ``dtype``)
     quantized_params: int = 0
+    #: requests per step (every request at the same position)
+    batch: int = 1
+    #: cards the model is split over (tensor parallel, models/parallel.py);
+    #: times, memory and floors above are per card
+    tp: int = 1
+    #: parameters of the whole model (``params`` is one card's shard)
+    model_params: int = 0
+    #: device memory one card needs at each valid TP size, and the fewest
+    #: cards that fit (None: not even 8)
+    per_card_bytes: dict[int, int] = field(default_factory=dict)
+    cards_needed: int | None = 1
     #: the host path (sim/hostpath.py, assumed parameters): device-only and
     #: end-to-end timelines of prefill and one decode step
     host_path: dict[str, Any] = field(default_factory=dict)
@@ -248,6 +261,24 @@ class Estimate:
             "decode_vs_sustained_bandwidth_floor": self.decode_s / self.decode_floor_sustained_s,
         }
 
+    @property
+    def collective_s(self) -> dict[str, float]:
+        """Modelled collective time of a prefill and of a decode step (TP > 1)."""
+        return {
+            phase: sum(p.total_s for p in parts if p.name.startswith("collectives"))
+            for phase, parts in (("prefill", self.prefill), ("decode", self.decode))
+        }
+
+    def fit_text(self) -> str:
+        if self.tp == 1 and self.fits:
+            return "fits one card"
+        where = "one card" if self.tp == 1 else f"each of {self.tp} cards"
+        if self.fits:
+            return f"fits {where}"
+        n = self.cards_needed
+        need = f"needs {n} cards (--tp {n})" if n else "does not fit on 8 cards either"
+        return f"does NOT fit {where}: does not fit: {need}"
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for key in ("prefill", "decode"):
@@ -262,6 +293,9 @@ class Estimate:
             decode_floor_sustained_s=self.decode_floor_sustained_s,
             prefill_floor_s=self.prefill_floor_s,
             ratios=self.ratios(),
+            collective_s=self.collective_s,
+            decode_tokens_per_s_per_request=1 / self.decode_s,
+            decode_tokens_per_s=self.batch / self.decode_s,
         )
         return d
 
@@ -280,6 +314,17 @@ class Estimate:
                 else ""
             )
             + f"; layers: {kinds}",
+            f"  batch {self.batch}, {self.tp} card{'s' if self.tp > 1 else ''}"
+            + (
+                f" (tensor parallel; per card below: {self.params / 1e9:.2f} B of "
+                f"{self.model_params / 1e9:.2f} B parameters; collectives "
+                f"{self.collective_s['prefill'] * 1e3:.3f} ms per prefill, "
+                f"{self.collective_s['decode'] * 1e3:.3f} ms per decode step)"
+                if self.tp > 1
+                else ""
+            )
+            + f"; decode {1 / self.decode_s:.1f} tokens/s per request, "
+            f"{self.batch / self.decode_s:.1f} tokens/s in all",
             "",
             f"  {'':34} {'modelled':>11} {'floor':>11} {'ratio':>6}  floor is",
             f"  {f'prefill, {self.prompt_tokens} tokens':34} {self.prefill_s * 1e3:>8.1f} ms"
@@ -297,8 +342,7 @@ class Estimate:
             f"  device memory: weights {self.weights_bytes / gb:.2f} GB + adapter copies"
             f" {self.extra_weight_bytes / gb:.2f} GB + KV cache {self.kv_cache_bytes / gb:.2f} GB"
             f" + activations {self.activation_bytes / gb:.2f} GB = {self.memory_bytes / gb:.2f} GB"
-            f" of {self.card_memory_bytes / gb:.2f} GB: "
-            + ("fits one card" if self.fits else "does NOT fit one card"),
+            f" of {self.card_memory_bytes / gb:.2f} GB: " + self.fit_text(),
             "",
             "  part                                   x  prefill ms   decode ms  kernels",
         ]
@@ -472,6 +516,8 @@ def estimate(
     config: Any = None,
     timing_only: bool = True,
     weights: torch.dtype | None = None,
+    batch: int = 1,
+    tp: int = 1,
 ) -> Estimate:
     """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
     decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
@@ -485,6 +531,11 @@ def estimate(
     (``models.quantized.QuantizedLinear``: read as 8-bit data, dequantised in
     LX; activations stay ``dtype``); the embedding and LM head stay ``dtype``,
     as the usual fp8 recipes leave them.
+    ``batch``: requests per decode step, all at the same position (their
+    prefills run one request after another, as a serving token budget splits
+    them: one planned, counted ``batch`` times); ``tp``: cards the
+    model is split over as vLLM's parallel layers split it (models/parallel.py;
+    the plan is one card's shard plus the collectives).
     """
     import transformers
 
@@ -500,8 +551,14 @@ def estimate(
     cfg._attn_implementation = "sdpa"
     spec = MODELS.get(key, {"source": "given config", "config_class": type(cfg).__name__})
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    whole_cfg = cfg
+    cfg = parallel.shard_config(cfg, tp)  # one card's shard (the model itself at tp 1)
+    cfg._attn_implementation = "sdpa"
+    model_params = parallel.card_weight_bytes(whole_cfg, 1, dtype) // itemsize if tp > 1 else 0
 
-    # the whole model on the meta device: exact parameter counts, no weights
+    # the (card's) model on the meta device: exact parameter counts, no weights
     with torch.device("meta"):
         full = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     tied = full.get_output_embeddings().weight is full.get_input_embeddings().weight
@@ -616,20 +673,23 @@ def estimate(
         for phase, tokens in (("prefill", prompt), ("decode", 1)):
             parts = prefill_parts if phase == "prefill" else decode_parts
             start = 0 if phase == "prefill" else prompt
-            ids = torch.zeros(1, tokens, dtype=torch.long).to(dev)
+            # a batch's prefill runs request by request (as vLLM's token budget
+            # splits it): one request planned, counted ``batch`` times
+            pb, reps = (1, batch) if phase == "prefill" else (batch, 1)
+            ids = torch.zeros(pb, tokens, dtype=torch.long).to(dev)
             pos_h = torch.arange(start, start + tokens)
             pos = pos_h[None].to(dev)
             emb = compiled(embed_step)
             part, outs = _run_part(
-                "embedding + rotary tables", 1, lambda e=emb, i=ids, p=pos: e(i, p)
+                "embedding + rotary tables", reps, lambda e=emb, i=ids, p=pos: e(i, p)
             )
             parts.append(part)
             h, tables = outs[0], outs[1:]
             for i, kind in enumerate(kinds):
                 cos, sin = tables[2 * i], tables[2 * i + 1]
                 length = kv_len(kind)
-                keys = torch.empty(1, n_kv, length, head_dim, dtype=dtype, device=dev)
-                values = torch.empty(1, n_kv, length, head_dim, dtype=dtype, device=dev)
+                keys = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
+                values = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
                 if phase == "decode":
                     kv_bytes += counts[kind] * 2 * keys.numel() * itemsize
                     slot = pos_h % length
@@ -658,7 +718,7 @@ def estimate(
                 parts.append(
                     _run_part(
                         label,
-                        counts[kind],
+                        counts[kind] * reps,
                         lambda fn=fn, h=h, c=cos, s=sin, p=slot_d, k=keys, v=values, m=mask: fn(
                             h, c, s, p, k, v, m
                         ),
@@ -666,7 +726,14 @@ def estimate(
                 )
                 del keys, values
             hs = compiled(head_step)
-            parts.append(_run_part("final norm + LM head", 1, lambda f=hs, h=h: f(h))[0])
+            parts.append(_run_part("final norm + LM head", reps, lambda f=hs, h=h: f(h))[0])
+            coll = parallel.collective_parts(
+                whole_cfg, tp, pb, tokens, itemsize, cfg.num_hidden_layers
+            )
+            if coll:
+                parts.append(
+                    Part(f"collectives (TP {tp})", reps, sum(t for _, t in coll), kernels=coll)
+                )
             act = max(act, *(p.activation_bytes for p in parts))
     fallbacks = sum(int(v) for v in torch_spyre.fallback_counts().values())
 
@@ -683,7 +750,7 @@ def estimate(
     weight_bytes = (params - quant_params) * itemsize + quant_params * qitem + scale_bytes
     # decode reads every weight once, except an untied input embedding (one row)
     decode_weights = weight_bytes - (0 if tied else emb_params * itemsize)
-    kv_read = sum(
+    kv_read = batch * sum(
         counts[k] * 2 * n_kv * min(prompt + 1, kv_len(k)) * head_dim * itemsize for k in kinds
     )
     # prefill FLOP: 2 x tokens x matmul weights, causal attention (QK^T and PV over
@@ -696,6 +763,22 @@ def estimate(
             2 * prompt * layer_mm[k] + 4 * pairs * head_dim * cfg.num_attention_heads
         )
     flops += 2 * lm_head_params
+    flops *= batch
+    # memory per card at every valid split, for "needs N cards"
+    per_card = {}
+    kv_kinds = layer_kinds
+    for n in range(1, parallel.MAX_CARDS + 1):
+        try:
+            parallel.check_tp(whole_cfg, n)
+        except ValueError:
+            continue
+        if n == tp:
+            per_card[n] = weight_bytes + extra + kv_bytes + act
+            continue
+        w = parallel.card_weight_bytes(whole_cfg, n, dtype)
+        w = int(w * weight_bytes / max(params * itemsize, 1))  # 8-bit weights scale alike
+        kv_n = parallel.kv_bytes_per_card(whole_cfg, n, batch, cache_len, itemsize, kv_kinds)
+        per_card[n] = w + extra * tp // n + kv_n + act
     est = Estimate(
         model=key,
         source=spec["source"],
@@ -723,60 +806,17 @@ def estimate(
         plan_wall_s=time.perf_counter() - t_wall,
         weights_dtype=str(weights or dtype).replace("torch.", ""),
         quantized_params=quant_params,
+        batch=batch,
+        tp=tp,
+        model_params=model_params or params,
+        per_card_bytes=per_card,
+        cards_needed=parallel.cards_needed(
+            whole_cfg, dtype, card_cfg.device_memory_bytes, per_card
+        ),
     )
-    est.host_path = host_path(est, card_cfg, published=PUBLISHED_DECODE.get(name, {}))
+    from torch_spyre.models import host_estimate
+
+    # IBM's published figures are batch-1 decode on one card
+    published = host_estimate.PUBLISHED_DECODE.get(name, {}) if tp == 1 and batch == 1 else {}
+    est.host_path = host_estimate.host_path(est, card_cfg, published=published)
     return est
-
-
-#: published end-to-end decode figures (shared/hardware.md): which host path
-#: reproduces them is solved for, not assumed
-PUBLISHED_DECODE: dict[str, dict[str, float]] = {
-    "granite-3.3-8b": {
-        "IBM's stack, mid 2026 (~865 ms/token)": 865e-3,
-        "IBM's stack after the 2.4x decode speed-up (~360 ms/token)": 865e-3 / 2.4,
-    }
-}
-
-
-def _kernel_seq(parts: list[Part]) -> list[float]:
-    """Device seconds of every kernel of ``parts`` in issue order (a part's
-    copies count as one more kernel)."""
-    seq: list[float] = []
-    for p in parts:
-        ks = [t for _, t in p.kernels]
-        rest = p.time_s - sum(ks)
-        if rest > 1e-12:
-            ks.append(rest)
-        seq += ks * p.count
-    return seq
-
-
-def host_path(est: Estimate, cfg, published: dict[str, float] | None = None) -> dict[str, Any]:
-    """Device-only and end-to-end timelines of ``est`` on the host path of
-    ``cfg`` (sim/hostpath.py), and the per-kernel host cost that reproduces
-    each ``published`` end-to-end decode time."""
-    from torch_spyre.sim import hostpath
-
-    def tl(parts) -> dict[str, Any]:
-        t = hostpath.timeline(_kernel_seq(parts), cfg)
-        return {
-            "device_s": t.device_s,
-            "host_issue_s": t.host_issue_s,
-            "end_to_end_s": t.end_to_end_s,
-            "kernels": t.kernels,
-            "host_bound": t.host_bound,
-        }
-
-    decode = _kernel_seq(est.decode)
-    return {
-        "assumed": {
-            k: getattr(cfg, k)
-            for k in ("host_dispatch_s", "host_descriptor_bytes", "host_sync_s", "host_async")
-        },
-        "prefill": tl(est.prefill),
-        "decode": tl(est.decode),
-        "published": {
-            name: {"target_s": t, "dispatch_s": hostpath.dispatch_for(decode, t, cfg)}
-            for name, t in (published or {}).items()
-        },
-    }

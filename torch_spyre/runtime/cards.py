@@ -63,6 +63,19 @@ def record_transfer(index: int, kind: str, nbytes: int, label: str = "") -> None
     advance_clock(index, rec.time_s)
 
 
+def record_collective(
+    index: int, op: str, nbytes: int, time_s: float, start_s: float | None = None
+) -> float:
+    """Model a collective on card ``index`` (its clock waits until ``start_s``, then
+    ``time_s``); returns by how much the clock moved."""
+    c = card(index)
+    before = c.clock_s
+    c.record_collective(op, nbytes, time_s, start_s)
+    moved = c.clock_s - before
+    advance_clock(index, moved)
+    return moved
+
+
 def advance_clock(index: int, seconds: float) -> None:
     """Mirror the card's modelled clock into the C++ device, where events read it
     (torch.Event timing runs in C++ and cannot call into Python)."""

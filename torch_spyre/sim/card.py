@@ -70,6 +70,12 @@ class CardStats:
     transfer_time_s: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0)
     )
+    #: card-to-card collectives (sim/interconnect.py): count, bytes, link time,
+    #: and time spent waiting for the slowest card to arrive
+    collectives: int = 0
+    collective_bytes: int = 0
+    collective_time_s: float = 0.0
+    collective_wait_s: float = 0.0
 
 
 class SimulatedCard:
@@ -163,6 +169,28 @@ class SimulatedCard:
         trace.emit(rec)
         return rec
 
+    # -------------------------------------------------------- collectives
+    def record_collective(
+        self, op: str, nbytes: int, time_s: float, start_s: float | None = None
+    ) -> trace.TransferRecord:
+        """A collective with the other cards: the clock moves to ``start_s`` (when
+        the last card arrived, default now; never backwards) and then ``time_s``
+        on (sim/interconnect.py gives it)."""
+        if nbytes < 0 or time_s < 0:
+            raise ValueError(f"collective {op}: {nbytes} bytes in {time_s} s")
+        with self._lock:
+            start = max(self.clock_s, self.clock_s if start_s is None else start_s)
+            wait = start - self.clock_s
+            self.clock_s = start + time_s
+            st = self._stats
+            st.collectives += 1
+            st.collective_bytes += int(nbytes)
+            st.collective_time_s += time_s
+            st.collective_wait_s += wait
+        rec = trace.TransferRecord(self.index, "c2c", int(nbytes), start, time_s, op)
+        trace.emit(rec)
+        return rec
+
     # -------------------------------------------------------------- stats
     def stats(self) -> dict:
         st = self._stats
@@ -174,6 +202,10 @@ class SimulatedCard:
             "transfers": dict(st.transfers),
             "transfer_bytes": dict(st.transfer_bytes),
             "transfer_time_s": dict(st.transfer_time_s),
+            "collectives": st.collectives,
+            "collective_bytes": st.collective_bytes,
+            "collective_time_s": st.collective_time_s,
+            "collective_wait_s": st.collective_wait_s,
         }
 
     def reset(self) -> None:

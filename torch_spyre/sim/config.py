@@ -172,6 +172,16 @@ class HardwareConfig:
     #: softmax 512x1024 fp16 on 1 core, LX-resident schedule (23.7 us ->
     #: 2 cycles gives 23.5 us; 1 gives 21 us, 3 gives 25.6 us).
     sfu_transcendental_cycles: float = 2.0
+    #: card-to-card bandwidth per direction, per card (assumed: no public
+    #: source names a card-to-card link; cards of one system are taken to
+    #: exchange data peer-to-peer over their PCIe Gen5 x16 links through the
+    #: system's PCIe switch at the link rate, full duplex, so a ring step
+    #: sends and receives at once: 63.0 GB/s, the derived ``pcie_bandwidth_Bps``).
+    c2c_bandwidth_Bps: float = 32e9 * 16 * 128 / 130 / 8
+    #: fixed cost of one card-to-card step (assumed: a peer-to-peer DMA write
+    #: plus the flag write the receiver polls, two PCIe one-way latencies of
+    #: ~1 us each, as ``pcie_latency_s``).
+    c2c_latency_s: float = 2e-6
     #: SFU cycles per input stick of a reduction (assumed: 1) ...
     sfu_reduction_cycles: float = 1.0
     #: ... plus this many per output element (cross-lane tree, log2(64)).
@@ -200,7 +210,7 @@ class HardwareConfig:
             if not isinstance(v, int | float) or isinstance(v, bool):
                 raise HardwareConfigError(f"HardwareConfig.{f.name} must be a number, got {v!r}")
             zero_ok = f.name in {"dma_setup_cycles", "ring_hop_cycles", "launch_overhead_s"}
-            zero_ok |= f.name in {"pcie_latency_s", "sfu_reduction_tree_cycles"}
+            zero_ok |= f.name in {"pcie_latency_s", "sfu_reduction_tree_cycles", "c2c_latency_s"}
             zero_ok |= f.name in {"host_dispatch_s", "host_descriptor_bytes", "host_sync_s"}
             zero_ok |= f.name == "host_async"
             if v < 0 or (v == 0 and not zero_ok):

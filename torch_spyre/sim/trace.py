@@ -35,7 +35,7 @@ class KernelRecord:
 @dataclass(frozen=True)
 class TransferRecord:
     card: int
-    kind: str  # "h2d" | "d2h" | "d2d"
+    kind: str  # "h2d" | "d2h" | "d2d" | "c2c" (a collective; label: its name)
     nbytes: int
     start_s: float
     time_s: float

@@ -45,12 +45,31 @@ def _metrics() -> dict[str, object] | None:
             "spyre:modelled_device_seconds", "Modelled spyre device time, all steps"
         ),
         "steps": pc.Counter("spyre:steps", "Engine steps run on spyre"),
+        "collective": pc.Histogram(
+            "spyre:step_collective_modelled_seconds",
+            "Modelled card-to-card collective time per engine step (tensor parallel)",
+            buckets=(1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0),
+        ),
+        "collective_total": pc.Counter(
+            "spyre:collective_modelled_seconds", "Modelled collective time, all steps"
+        ),
     }
     port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
-    if port:
+    # tensor parallel: the worker on card 0 serves the port (collectives end
+    # every card's step at the same modelled time); the others log their steps
+    if port and _card() == 0:
         pc.start_http_server(int(port))
         logger.info("spyre: worker metrics served on port %s", port)
     return _prom
+
+
+def _card() -> int:
+    import torch
+
+    try:
+        return torch.spyre.current_device()
+    except Exception:  # no card in this process (the API server)
+        return 0
 
 
 _PROXY_PID = "_TORCH_SPYRE_VLLM_METRICS_PROXY_PID"
@@ -112,14 +131,22 @@ class StepStats:
     modelled_s: float = 0.0
     wall_s: float = 0.0
     last_modelled_s: float = 0.0
+    collective_s: float = 0.0
+    last_collective_s: float = 0.0
     history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, reqs, s)
     wall_history: list[float] = field(default_factory=list)  # wall seconds, same steps
     log_every: int = field(
         default_factory=lambda: int(os.environ.get("TORCH_SPYRE_VLLM_LOG_STEPS", "1"))
     )
 
-    def record(self, tokens: int, reqs: int, modelled_s: float, wall_s: float) -> None:
+    def record(
+        self, tokens: int, reqs: int, modelled_s: float, wall_s: float, collective_s: float = 0.0
+    ) -> None:
+        """One step: ``modelled_s`` of card time, ``collective_s`` of it in
+        card-to-card collectives (tensor parallel; 0 on one card)."""
         self.steps += 1
+        self.collective_s += collective_s
+        self.last_collective_s = collective_s
         self.tokens += tokens
         self.modelled_s += modelled_s
         self.wall_s += wall_s
@@ -132,7 +159,22 @@ class StepStats:
             prom["step"].observe(modelled_s)  # type: ignore[attr-defined]
             prom["total"].inc(modelled_s)  # type: ignore[attr-defined]
             prom["steps"].inc()  # type: ignore[attr-defined]
-        if self.log_every > 0 and self.steps % self.log_every == 0:
+            if collective_s:
+                prom["collective"].observe(collective_s)  # type: ignore[attr-defined]
+                prom["collective_total"].inc(collective_s)  # type: ignore[attr-defined]
+        if self.log_every > 0 and self.steps % self.log_every == 0 and collective_s:
+            logger.info(
+                "spyre step %d (card %d): %d tokens, %d requests, modelled device time "
+                "%.3f ms, of which collectives %.3f ms (wall %.1f ms)",
+                self.steps,
+                _card(),
+                tokens,
+                reqs,
+                modelled_s * 1e3,
+                collective_s * 1e3,
+                wall_s * 1e3,
+            )
+        elif self.log_every > 0 and self.steps % self.log_every == 0:
             logger.info(
                 "spyre step %d: %d tokens, %d requests, modelled device time %.3f ms "
                 "(wall %.1f ms)",

@@ -52,7 +52,7 @@ class SpyreModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.step_stats = metrics.StepStats()
-        self._step_start: tuple[float, float] | None = None
+        self._step_start: tuple[float, float, float] | None = None
         self._step_tokens = 0
         self._step_reqs = 0
 
@@ -288,7 +288,7 @@ class SpyreModelRunner(CPUModelRunner):
 
     # -- per-step modelled time -------------------------------------------------
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any):
-        self._step_start = (torch.spyre.modelled_time_s(), time.perf_counter())
+        self._step_start = (torch.spyre.modelled_time_s(), time.perf_counter(), _collective_s())
         self._step_tokens = scheduler_output.total_num_scheduled_tokens
         self._step_reqs = len(scheduler_output.num_scheduled_tokens)
         out = super().execute_model(scheduler_output, *args, **kwargs)
@@ -305,14 +305,22 @@ class SpyreModelRunner(CPUModelRunner):
         if self._step_start is None or self._step_tokens == 0:
             self._step_start = None
             return
-        mod0, wall0 = self._step_start
+        mod0, wall0, coll0 = self._step_start
         self._step_start = None
         self.step_stats.record(
             tokens=self._step_tokens,
             reqs=self._step_reqs,
             modelled_s=torch.spyre.modelled_time_s() - mod0,
             wall_s=time.perf_counter() - wall0,
+            collective_s=_collective_s() - coll0,
         )
+
+
+def _collective_s() -> float:
+    """Modelled collective time of this worker's card so far (tensor parallel)."""
+    from torch_spyre.runtime import cards
+
+    return cards.card(torch.spyre.current_device()).stats()["collective_time_s"]
 
 
 class _OnCard:

@@ -31,7 +31,8 @@ class SpyrePlatform(Platform):
     device_name: str = SPYRE
     device_type: str = "cpu"  # vLLM's bookkeeping tensors stay on the host
     dispatch_key: str = "CPU"
-    dist_backend: str = "gloo"
+    # vLLM's device groups: spyre tensors between cards (host tensors over gloo)
+    dist_backend: str = "spyreccl"
     ray_device_key: str = ""
     simple_compile_backend: str = "eager"
     #: fp8 weights (vllm_plugin/quantization.py); anything else is refused at start-up
@@ -107,7 +108,7 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        return "torch_spyre.vllm_plugin.communicator.SpyreCommunicator"
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
@@ -124,15 +125,21 @@ class SpyrePlatform(Platform):
         from vllm.config.compilation import CUDAGraphMode
 
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
-            raise NotImplementedError(
-                f"spyre serves one card per vLLM instance (tensor/pipeline parallel size 1); "
-                f"got world size {parallel.world_size}"
-            )
+        _check_parallel(parallel)
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "torch_spyre.vllm_plugin.worker.SpyreWorker"
-        # The worker runs inside the engine-core process: no extra worker process.
-        parallel.distributed_executor_backend = "uni"
+        if parallel.world_size == 1:
+            # The worker runs inside the engine-core process: no extra worker process.
+            parallel.distributed_executor_backend = "uni"
+        elif parallel.distributed_executor_backend in (None, "mp"):
+            # tensor parallel: one worker process per card (card = local rank)
+            parallel.distributed_executor_backend = "mp"
+        else:
+            raise NotImplementedError(
+                f"spyre: tensor parallel runs with vLLM's multiprocessing executor "
+                f"(--distributed-executor-backend mp), got "
+                f"{parallel.distributed_executor_backend!r}"
+            )
         parallel.disable_custom_all_reduce = True
         if getattr(parallel, "enable_dbo", False):
             parallel.enable_dbo = False
@@ -204,3 +211,28 @@ def _one_state_block_per_request(vllm_config: VllmConfig) -> None:
     cache.enable_prefix_caching = False
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model.max_model_len
+
+
+def _check_parallel(parallel) -> None:
+    """Tensor parallel over the system's cards; no pipeline/data parallel yet."""
+    from torch_spyre.runtime.cards import MAX_CARDS, configured_num_cards
+
+    if parallel.pipeline_parallel_size > 1:
+        raise NotImplementedError(
+            f"spyre: pipeline parallel is not supported (got --pipeline-parallel-size "
+            f"{parallel.pipeline_parallel_size}); use --tensor-parallel-size"
+        )
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise NotImplementedError("spyre: data parallel is not supported; run one server per group")
+    tp = parallel.tensor_parallel_size
+    if tp > MAX_CARDS:
+        raise ValueError(
+            f"spyre: --tensor-parallel-size {tp} needs {tp} cards; a Spyre system holds at "
+            f"most {MAX_CARDS}"
+        )
+    cards = configured_num_cards()
+    if tp > cards:
+        raise ValueError(
+            f"spyre: --tensor-parallel-size {tp} needs {tp} cards but this system has {cards} "
+            f"(TORCH_SPYRE_NUM_CARDS={cards}); set TORCH_SPYRE_NUM_CARDS={tp} or more"
+        )

@@ -90,6 +90,14 @@ class SpyreWorker(CPUWorker):
         self.device = torch.device("cpu")  # vLLM's bookkeeping device (platform.py)
         if not torch.spyre.is_available():
             raise RuntimeError("spyre: no spyre device (torch_spyre failed to load?)")
+        # one card per worker: tensor-parallel rank r runs on card r ("spyre"
+        # without an index, as the runner and layers use it, is this card)
+        if self.local_rank >= torch.spyre.device_count():
+            raise RuntimeError(
+                f"spyre: worker {self.local_rank} has no card: {torch.spyre.device_count()} "
+                f"cards (set TORCH_SPYRE_NUM_CARDS to the tensor-parallel size or more)"
+            )
+        torch.spyre.set_device(self.local_rank)
         init_method = self.distributed_init_method
         os.environ["VLLM_DIST_IDENT"] = (
             os.path.basename(init_method.removeprefix("file://"))
