@@ -86,8 +86,12 @@ class CompiledForward:
         self.calls: Counter[int] = Counter()  # steps per bucket
         self.compile_s: dict[int, float] = {}  # first call per bucket (compile + run)
         self._bucket: int | None = None
-        # one graph per bucket; never fall back to eager silently
-        limit = len(self.sizes) + 2
+        # one graph per bucket; never fall back to eager silently.  Dynamo's
+        # limit counts entries per code object, across every model of the
+        # process whose forward is the same code (engines built one after
+        # another: tests, notebooks, a llama then a mistral): room for 8 such
+        # models; a recompiling bucket still shows in ``graphs``
+        limit = 8 * (len(self.sizes) + 2)
         dynamo_config = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:

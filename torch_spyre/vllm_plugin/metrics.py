@@ -58,8 +58,16 @@ def _metrics() -> dict[str, object] | None:
     # tensor parallel: the worker on card 0 serves the port (collectives end
     # every card's step at the same modelled time); the others log their steps
     if port and _card() == 0:
-        pc.start_http_server(int(port))
-        logger.info("spyre: worker metrics served on port %s", port)
+        try:
+            pc.start_http_server(int(port))
+            logger.info("spyre: worker metrics served on port %s", port)
+        except OSError as err:  # the engine serves on without its metrics port
+            logger.warning(
+                "spyre: cannot serve the worker's metrics on port %s (%s); the spyre:* "
+                "series are not exported. Set TORCH_SPYRE_VLLM_METRICS_PORT to a free port.",
+                port,
+                err,
+            )
     return _prom
 
 
@@ -105,14 +113,20 @@ def install_api_server_collector() -> None:
     worker's metrics port (inherited by the engine process) and collect its
     series into this process's ``/metrics``.  Idempotent; the engine process
     itself (a child, or the same process) does not proxy."""
+    import multiprocessing
+
     owner = os.environ.get(_PROXY_PID)
-    if owner is not None:
-        return  # installed here already, or we are the engine process it started
+    if owner == str(os.getpid()) or multiprocessing.current_process().name != "MainProcess":
+        return  # installed here already, or we are an engine / worker process vLLM started
     try:
         from prometheus_client import REGISTRY
     except ImportError:
         return
     port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
+    if owner is not None:
+        # inherited from another process that ran an engine (a script that
+        # built an LLM, then started `vllm serve`): its port is its own
+        port = None
     if not port:
         import socket
 

@@ -104,6 +104,13 @@ class SpyreWorker(CPUWorker):
             if init_method.startswith("file://")
             else init_method.split(":")[-1]
         )
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            # groups left by an earlier engine of this process (LLM objects
+            # built one after another): rebuild them for this model, e.g. the
+            # expert-parallel group only a MoE model creates
+            parallel_state.destroy_model_parallel()
         init_worker_distributed_environment(
             self.vllm_config,
             self.rank,
