@@ -81,6 +81,8 @@ def _card() -> int:
 
 
 _PROXY_PID = "_TORCH_SPYRE_VLLM_METRICS_PROXY_PID"
+#: the port a collector picked itself (not one the user set)
+_PICKED_PORT = "_TORCH_SPYRE_VLLM_METRICS_PICKED_PORT"
 
 
 class _WorkerMetrics:
@@ -123,9 +125,10 @@ def install_api_server_collector() -> None:
     except ImportError:
         return
     port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
-    if owner is not None:
+    if owner is not None and port == os.environ.get(_PICKED_PORT):
         # inherited from another process that ran an engine (a script that
-        # built an LLM, then started `vllm serve`): its port is its own
+        # built an LLM, then started `vllm serve`): the port it picked is its
+        # own (a port the user set stays)
         port = None
     if not port:
         import socket
@@ -134,6 +137,7 @@ def install_api_server_collector() -> None:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
         os.environ["TORCH_SPYRE_VLLM_METRICS_PORT"] = port
+        os.environ[_PICKED_PORT] = port
     os.environ[_PROXY_PID] = str(os.getpid())
     REGISTRY.register(_WorkerMetrics(int(port)))
 
