@@ -5,6 +5,7 @@ end-to-end figure."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,15 +40,9 @@ def host_path(est: Estimate, cfg, published: dict[str, float] | None = None) -> 
     each ``published`` end-to-end decode time."""
     from torch_spyre.sim import hostpath
 
-    def tl(parts) -> dict[str, Any]:
-        t = hostpath.timeline(_kernel_seq(parts), cfg)
-        return {
-            "device_s": t.device_s,
-            "host_issue_s": t.host_issue_s,
-            "end_to_end_s": t.end_to_end_s,
-            "kernels": t.kernels,
-            "host_bound": t.host_bound,
-        }
+    def tl(kernel_s: list[float]) -> dict[str, Any]:
+        t = hostpath.timeline(kernel_s, cfg)
+        return {**asdict(t), "host_bound": t.host_bound}
 
     decode = _kernel_seq(est.decode)
     return {
@@ -55,8 +50,8 @@ def host_path(est: Estimate, cfg, published: dict[str, float] | None = None) -> 
             k: getattr(cfg, k)
             for k in ("host_dispatch_s", "host_descriptor_bytes", "host_sync_s", "host_async")
         },
-        "prefill": tl(est.prefill),
-        "decode": tl(est.decode),
+        "prefill": tl(_kernel_seq(est.prefill)),
+        "decode": tl(decode),
         "published": {
             name: {"target_s": t, "dispatch_s": hostpath.dispatch_for(decode, t, cfg)}
             for name, t in (published or {}).items()
