@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="TORCH_SPYRE_VLLM_COMPILE=0")
+    ap.add_argument("--profile", action="store_true", help="kernel table of the decode steps")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,7 +44,7 @@ def main() -> int:
     path = str(folder("smollm2"))
     llm = LLM(
         model=path, dtype="float16", max_model_len=args.context + 64,
-        max_num_seqs=args.batch, max_num_batched_tokens=512, enable_prefix_caching=False,
+        max_num_seqs=args.batch, max_num_batched_tokens=512, enable_prefix_caching=True,
         kv_cache_memory_bytes=int(1.2 * args.batch * (args.context + 64) * 23040) + (16 << 20),
         skip_tokenizer_init=True, seed=0,
     )  # fmt: skip
@@ -52,10 +53,21 @@ def main() -> int:
         {"prompt_token_ids": torch.randint(5, 40000, (args.context,), generator=g).tolist()}
         for _ in range(args.batch)
     ]
-    llm.generate(
-        prompts, SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True),
-        use_tqdm=False,
-    )  # fmt: skip
+    # Prefill every prompt first (vLLM decodes the first requests while it
+    # prefills the later ones), then decode all of them together: the second
+    # call finds the prompts in the prefix cache and only decodes.
+    from torch_spyre.profiler import profile
+
+    for max_tokens in (1, args.steps + 2):
+        if max_tokens > 1:
+            first = len(llm.collective_rpc(lambda w: list(w.model_runner.step_stats.history))[0])
+        with profile() as prof:
+            llm.generate(
+                prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                use_tqdm=False,
+            )  # fmt: skip
+    if args.profile:  # the decode call (the in-process engine's kernels)
+        print(prof.table())
 
     def state(worker):
         r = worker.model_runner
@@ -67,7 +79,11 @@ def main() -> int:
     kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
     kv_per_token *= (cfg.hidden_size // cfg.num_attention_heads) * 2
     hw = cards.config(0)
-    decodes = [(t, r, s) for t, r, s in st["history"] if t == args.batch and r == args.batch]
+    decodes = [
+        (t, r, s) for t, r, s in st["history"][first:] if t == args.batch and r == args.batch
+    ]
+    if os.environ.get("SERVING_DECODE_DEBUG"):
+        print(st["history"])
     mode = "eager" if args.eager else "compiled"
     print(f"SmolLM2-135M fp16, vLLM ({mode}), batch {args.batch}, context {args.context}")
     print(f"{'step':>4}{'context':>9}{'modelled ms':>13}{'floor ms (sust.)':>18}"

@@ -98,9 +98,11 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 # Eager kernels a compiled step may still launch: the paged attention (the opaque op
 # in the graph: KV write, gathers, SDPA as bmm/softmax/masking; attention.py), the
 # gather of the sampled rows and their zero padding for the compiled LM head.
+# attention: one paged-attention program per group, the KV-cache writes, the
+# output's copy; padding rows zeroed
 ATTENTION_AND_PADDING = {
+    "paged_attention",
     *("index_copy", "index_select", "index", "cat", "zero_", "fill_", "copy_", "_to_copy"),
-    *("bmm", "_softmax", "mul", "add", "where", "all", "isneginf"),
 }
 
 

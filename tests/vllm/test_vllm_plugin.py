@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import torch_spyre.vllm_plugin as plugin  # imports no vLLM
+from torch_spyre.runtime import dispatch_stats
 from torch_spyre.vllm_plugin import kernels  # imports no vLLM
 
 
@@ -126,14 +127,18 @@ def test_paged_attention_matches_a_dense_reference(attention):
         num_actual_tokens=sum(q_lens),
         slots=torch.zeros(0, dtype=torch.int64).to("spyre"),
         groups=[attention.to_card(g) for g in groups],
-        out_index=out_index.to("spyre"),
+        out_index=None,
+        block_size=bs,
     )
     scale = 1 / math.sqrt(d)
     impl = attention.SpyreAttentionImpl(h, d, scale, kvh, None, None, "auto")
     out = torch.empty(sum(q_lens), h, d).to("spyre")
+    before = dispatch_stats.counts("kernel").get("paged_attention", 0)
     impl.forward(None, query.to("spyre"), None, None, cache.to("spyre"), meta, out)
     ref = _reference_attention(query, keys, values, ctx_lens, q_lens, scale, h // kvh)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+    # one paged-attention program per group, no host fallback
+    assert dispatch_stats.counts("kernel").get("paged_attention", 0) - before == 2
 
 
 @pytest.mark.parametrize("what", ["alibi_slopes", "kv_cache_dtype"])

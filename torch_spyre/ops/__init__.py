@@ -20,6 +20,7 @@ def register() -> None:
         mlp,
         moe,
         normalization,
+        paged_attention,
         quantized,
         reductions,
         ssm,

@@ -205,7 +205,7 @@ def _presplit(program: Program) -> dict[int, tuple[str, int, int, int]]:
         for name in (st.a, st.b):
             # the step that last wrote the operand, and every reader until then
             w = next((i for i in range(m - 1, -1, -1) if step_writes(steps[i]) == name), None)
-            if w is None or not isinstance(steps[w], Load) or st.a == st.b:
+            if w is None or not isinstance(steps[w], Load) or st.a == st.b or steps[w].rows:
                 continue
             readers = [i for i in range(w + 1, len(steps)) if name in step_reads(steps[i])]
             rewritten = next(
@@ -227,9 +227,80 @@ def _presplit(program: Program) -> dict[int, tuple[str, int, int, int]]:
     return out
 
 
+def _paged_offsets(program: Program, s: Load | Store) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """For a paged transfer: the device element offsets (flat, host order)
+    of one row's elements along the operand's other host dims, and their
+    iteration dims."""
+    lay = program.operand(s.operand).layout
+    offs = s.offsets or (0,) * len(s.index)
+    inner = torch.zeros((), dtype=torch.int64)
+    axes: list[str] = []
+    for k, d in enumerate(s.index):
+        if k == s.rows_dim:
+            continue
+        tab = lay.dim_offsets[k]
+        if d is None:
+            inner = inner + tab[offs[k]]
+        else:
+            inner = inner[..., None] + tab[offs[k] : offs[k] + program.dim(d).size]
+            axes.append(d)
+    return inner.reshape(-1), tuple(axes)
+
+
+def _build_paged_load(program: Program, s: Load, dims: dict) -> Callable:
+    """Rows gathered from device memory through a row table (a KV cache's
+    pages): only the rows a launch reads are converted, never the whole
+    operand (which other kernels keep writing)."""
+    op = program.operand(s.operand)
+    buf = program.buffer(s.buffer)
+    lay = op.layout
+    held = _held_dtype(lay.dtype, buf.dtype)
+    to_buf = None
+    if buf.dtype in _HALF and layout_mod.FP16_FORMAT == "dl16" and lay.dtype.is_floating_point:
+        if not lay.dl16:
+            to_buf = dl16.round_trip
+        held = torch.float32
+    inner, axes = _paged_offsets(program, s)
+    table = s.rows
+    src = program.buffer(table).dims + tuple(a for a in axes if a not in program.buffer(table).dims)
+    align = _Align(src, buf.dims)
+    tail = [program.dim(a).size for a in axes]
+    row_tab = lay.dim_offsets[s.rows_dim]
+    # Each row's elements lie in one window of device memory (a stick row,
+    # with V's sticks between K's in a KV cache): gather whole windows, then
+    # pick the row's elements from them -- two torch ops, no per-element
+    # offsets -- unless the window is mostly other data.
+    lo = int(inner.min()) if inner.numel() else 0
+    width = int(inner.max()) - lo + 1 if inner.numel() else 0
+    windowed = 0 < width <= 4 * inner.numel()
+    cols = inner - lo
+    whole_window = windowed and torch.equal(cols, torch.arange(width))
+    operand, out = s.operand, s.buffer
+    dims[out] = buf.dims
+
+    def load(buffers: Buffers, env: dict) -> None:
+        mem = buffers[operand].reshape(-1)
+        rows = env[table].to(torch.int64).clamp(min=0)
+        base = row_tab[rows.reshape(-1)]
+        if windowed:
+            win = mem.as_strided((mem.numel() - width + 1, width), (1, 1), mem.storage_offset())
+            vals = win.index_select(0, base + lo)
+            if not whole_window:
+                vals = vals[:, cols]
+        else:
+            vals = mem[base[:, None] + inner[None, :]]
+        if to_buf is not None:
+            vals = to_buf(vals)
+        env[out] = align(vals.to(held).reshape(*rows.shape, *tail))
+
+    return load
+
+
 def _build_load(
     program: Program, s: Load, dims: dict, split: tuple[str, int, int, int] | None = None
 ) -> Callable:
+    if s.rows:
+        return _build_paged_load(program, s, dims)
     op = program.operand(s.operand)
     buf = program.buffer(s.buffer)
     layout = op.layout
@@ -284,7 +355,35 @@ def _build_load(
     return load_split
 
 
+def _build_paged_store(program: Program, s: Store, dims: dict) -> Callable:
+    """Rows scattered into device memory through a row table; a negative row
+    number (a padded query) is not written."""
+    lay = program.operand(s.operand).layout
+    inner, axes = _paged_offsets(program, s)
+    table = s.rows
+    tdims = program.buffer(table).dims
+    align = _Align(dims[s.buffer], tdims + tuple(a for a in axes if a not in tdims))
+    row_tab = lay.dim_offsets[s.rows_dim]
+    operand, buffer, dtype = s.operand, s.buffer, lay.dtype
+    written = VIEWS.written
+
+    def store(buffers: Buffers, env: dict) -> None:
+        mem = buffers[operand]
+        try:
+            rows = env[table].to(torch.int64).reshape(-1)
+            keep = rows >= 0
+            vals = align(env[buffer]).reshape(rows.numel(), -1)[keep]
+            offs = row_tab[rows[keep]][:, None] + inner[None, :]
+            mem.reshape(-1)[offs.reshape(-1)] = vals.reshape(-1).to(dtype)
+        finally:
+            written(mem)
+
+    return store
+
+
 def _build_store(program: Program, s: Store, dims: dict) -> Callable:
+    if s.rows:
+        return _build_paged_store(program, s, dims)
     op = program.operand(s.operand)
     layout = op.layout
     src = dims[s.buffer]
@@ -531,9 +630,10 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
     bufs = {s.buffer: program.buffer(s.buffer) for s in loads}
     if not (
         len(layouts) == 1
-        and all(s.index == names and not s.offsets for s in loads)
+        and all(s.index == names and not s.offsets and not s.rows for s in loads)
         and store.index == names
         and not store.offsets
+        and not store.rows
         and all(bufs[s.buffer].dtype == program.operand(s.operand).layout.dtype for s in loads)
         and tuple(vec.inputs) == tuple(s.buffer for s in loads)
         and vec.out == store.buffer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,19 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Attention over a paged KV cache (vLLM's): queries gathered from and
+    outputs scattered to ``tokens`` token rows, keys and values read page by
+    page from a cache of ``slots`` rows ([2, slots, kv_heads, head_size]:
+    keys then values), ``block`` consecutive slots per page."""
+
+    tokens: int
+    slots: int
+    block: int
+
 
 #: running-max start of the online softmax: finite, so a fully masked row
 #: gives exp(-inf - (-3e38)) = 0 (and an output of 0), never inf - inf
@@ -65,6 +79,7 @@ def flash_attention(
     dv: int | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    paged: PagedKV | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -98,10 +113,26 @@ def flash_attention(
     ``softcap``: ``s = softcap * tanh(s / softcap)`` after the scale, before
     the mask (Gemma-2).  ``sinks``: operand ``sinks`` [hk, g] fp32, one logit
     per query head that joins every row's softmax and attends to nothing.
+
+    ``paged``: the operands of vLLM's paged attention instead: ``q`` [T, hk,
+    g, d] and ``out`` [T, hk, g, d] token rows, the cache ``kv`` [2, slots,
+    hk, d], and two int32 row tables, ``q_rows`` [b, sq] (the token row of
+    each request's query position, -1 for padding: not stored) and
+    ``kv_rows`` [b, skv] (the cache slot of each context position; padding
+    is masked).  The cores load a tile's slots, then its K/V rows page by
+    page (one DMA descriptor per page): the cache is read where it lies,
+    once per KV-head group, with no gathered copy in device memory.
+    Causality and windows come in the ``mask`` (the host knows each
+    request's cached length).
     """
     cfg = config or HardwareConfig()
     if hq % hk:
         raise ProgramError(f"flash attention: {hq} query heads do not group over {hk} KV heads")
+    if paged is not None and (causal or heads_last or (dv is not None and dv != d)):
+        raise ProgramError(
+            "paged flash attention: causality comes in the mask, the output is token-major "
+            "and V's head size is K's"
+        )
     g = hq // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     if split is None:
@@ -132,12 +163,38 @@ def flash_attention(
     # a K/V tile is shared by the cores splitting g and q (read once per group)
     kv_mc = pg * pq > 1
     db = double_buffer
-    operands = [
-        Operand("q", SpyreTensorLayout.default((b, hk, g, sq, d), dtype), "input"),
-        Operand("k", SpyreTensorLayout.default((b, hk, skv, d), dtype), "input"),
-        Operand("v", SpyreTensorLayout.default((b, hk, skv, dv), dtype), "input"),
-    ]
-    buffers = [
+    i32 = torch.int32
+    if paged is None:
+        operands = [
+            Operand("q", SpyreTensorLayout.default((b, hk, g, sq, d), dtype), "input"),
+            Operand("k", SpyreTensorLayout.default((b, hk, skv, d), dtype), "input"),
+            Operand("v", SpyreTensorLayout.default((b, hk, skv, dv), dtype), "input"),
+        ]
+        steps: list = [Load("qt", "q", qi, l3)]
+        kv_loads = [
+            Load("kt", "k", ki, l4, multicast=kv_mc),
+            Load("vt", "v", vi, l4, multicast=kv_mc),
+        ]
+        buffers = []
+    else:
+        operands = [
+            Operand("q", SpyreTensorLayout.default((paged.tokens, hk, g, d), dtype), "input"),
+            Operand("kv", SpyreTensorLayout.default((2, paged.slots, hk, d), dtype), "input"),
+            Operand("q_rows", SpyreTensorLayout.default((b, sq), i32), "input"),
+            Operand("kv_rows", SpyreTensorLayout.default((b, skv), i32), "input"),
+        ]
+        buffers = [Buffer("qr", ("b", "q"), i32), Buffer("kr", ("b", "kv"), i32, db)]
+        steps = [
+            Load("qr", "q_rows", ("b", "q"), l3),
+            Load("qt", "q", ("q", "h", "g", "d"), l3, rows="qr"),
+        ]
+        page = {"rows": "kr", "rows_dim": 1, "rows_run": paged.block, "multicast": kv_mc}
+        kv_loads = [
+            Load("kr", "kv_rows", ("b", "kv"), l4),
+            Load("kt", "kv", (None, "kv", "h", "d"), l4, offsets=(0, 0, 0, 0), **page),
+            Load("vt", "kv", (None, "kv", "h", e), l4, offsets=(1, 0, 0, 0), **page),
+        ]
+    buffers += [
         Buffer("qt", qi, dtype, db),
         Buffer("kt", ki, dtype, db),
         Buffer("vt", vi, dtype, db),
@@ -152,7 +209,6 @@ def flash_attention(
     y = "y" if out_buffer else "o"
     if out_buffer:
         buffers.append(Buffer("y", oi, dtype, db))
-    steps: list = [Load("qt", "q", qi, l3)]
     if sinks:
         # the running max starts at the sink (so it is part of every row's max);
         # its exp(sink - m) joins the sum after the last key tile
@@ -179,8 +235,7 @@ def flash_attention(
         ]
         steps.append(Load("qp", "qpos", ("q",), l3))
     steps += [
-        Load("kt", "k", ki, l4, multicast=kv_mc),
-        Load("vt", "v", vi, l4, multicast=kv_mc),
+        *kv_loads,
         Matmul("s", "qt", "kt", l4),
         Vector("mul_scalar", "s", ("s",), (scale,), l4),
     ]
@@ -244,9 +299,13 @@ def flash_attention(
         Vector("add_scalar", "l", ("l",), (1e-30,), l3),
         Vector("reciprocal", "l", ("l",), (), l3),
         Vector("mul", y, ("o", "l"), (), l3),
-        Store("out", y, ("b", "q", "h", "g", e) if heads_last else oi, l3),
     ]
-    oshape = (b, sq, hk, g, dv) if heads_last else (b, hk, g, sq, dv)
+    if paged is not None:
+        steps.append(Store("out", y, ("q", "h", "g", e), l3, rows="qr"))
+        oshape: tuple[int, ...] = (paged.tokens, hk, g, dv)
+    else:
+        steps.append(Store("out", y, ("b", "q", "h", "g", e) if heads_last else oi, l3))
+        oshape = (b, sq, hk, g, dv) if heads_last else (b, hk, g, sq, dv)
     operands.append(Operand("out", SpyreTensorLayout.default(oshape, dtype), "output"))
     return Program(
         name=name
@@ -257,7 +316,8 @@ def flash_attention(
         + ("_bshd" if heads_last else "")
         + (f"_dv{dv}" if dv != d else "")
         + (f"_cap{softcap:g}" if softcap else "")
-        + ("_sinks" if sinks else ""),
+        + ("_sinks" if sinks else "")
+        + ("_paged" if paged is not None else ""),
         dims=dims,
         operands=tuple(operands),
         buffers=tuple(buffers),
@@ -282,6 +342,7 @@ def best_flash_attention(
     dv: int | None = None,
     softcap: float | None = None,
     sinks: bool = False,
+    paged: PagedKV | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -302,14 +363,15 @@ def best_flash_attention(
     for split in sorted(splits):
         eq = ceil_div(sq, split[3])
         tqs = sorted({min(eq, t) for t in (64, 128, 256, 512, eq)})
-        tks = sorted({min(skv, t) for t in (64, 128, 256)})
+        # a paged decode (one query) has the LX for longer K/V tiles
+        tks = sorted({min(skv, t) for t in (64, 128, 256, *((512,) if paged else ()))})
         for db in (True, False):
             for tq, tk, ob in itertools.product(tqs, tks, (True, False)):
                 p = flash_attention(
                         b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
                         split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
                         heads_last=heads_last, dv=dv, softcap=softcap, sinks=sinks,
-                        config=cfg, name=name,
+                        paged=paged, config=cfg, name=name,
                     )  # fmt: skip
                 try:
                     p.validate(cfg)

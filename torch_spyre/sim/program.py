@@ -131,6 +131,14 @@ class Load:
     #: dim's offset is whole sticks: the DMA engine moves sticks, it does not
     #: shift lanes.
     offsets: tuple[int, ...] = ()
+    #: paged reads (a KV cache): host dim ``rows_dim`` of the operand is
+    #: addressed through the row numbers held in LX buffer ``rows`` (int32,
+    #: indexed by its own dims, the last of which is ``index[rows_dim]``);
+    #: the DMA engine issues one descriptor per ``rows_run`` consecutive rows
+    #: (a page).  A negative row number reads row 0 (padding, masked later).
+    rows: str | None = None
+    rows_dim: int = 0
+    rows_run: int = 1
     kind: Literal["load"] = "load"
 
 
@@ -145,6 +153,11 @@ class Store:
     #: dim's offset is whole sticks), e.g. one expert's rows of a grouped
     #: output
     offsets: tuple[int, ...] = ()
+    #: scattered writes: as ``Load.rows``; a negative row number is not
+    #: written (a padded query row)
+    rows: str | None = None
+    rows_dim: int = 0
+    rows_run: int = 1
     kind: Literal["store"] = "store"
 
 
@@ -237,8 +250,10 @@ _STEP_TYPES: dict[str, type] = {
 
 
 def step_reads(s: Step) -> tuple[str, ...]:
+    if isinstance(s, Load):
+        return (s.rows,) if s.rows else ()
     if isinstance(s, Store):
-        return (s.buffer,)
+        return (s.buffer, s.rows) if s.rows else (s.buffer,)
     if isinstance(s, Matmul):
         return (s.a, s.b)
     if isinstance(s, Vector | Scan):
@@ -248,6 +263,16 @@ def step_reads(s: Step) -> tuple[str, ...]:
     if isinstance(s, RingAllReduce):
         return (s.buffer,)
     return ()
+
+
+def transfer_dims(p: Program, s: Load | Store) -> tuple[str, ...]:
+    """The iteration dims a load/store covers: its index's, and for a paged
+    transfer those of its row table (a request's pages: ``b`` then ``kv``)."""
+    idx = tuple(d for d in s.index if d is not None)
+    if not s.rows:
+        return idx
+    table = p.buffer(s.rows).dims
+    return table + tuple(d for d in idx if d not in table)
 
 
 def step_writes(s: Step) -> str | None:
@@ -365,7 +390,9 @@ class Program:
         for k, h in enumerate(lay.host_size):
             d = index[k] if index else None
             o = offsets[k]
-            if d:
+            if d and getattr(step, "rows", None) and k == step.rows_dim:
+                ranges.append((0, h))  # paged: any row of the operand
+            elif d:
                 ranges.append((o, o + self.dim(d).core_extent))
             else:
                 ranges.append((o, o + 1) if getattr(step, "offsets", ()) else (0, h))
@@ -390,8 +417,9 @@ class Program:
     def multicast_group(self, load: Load) -> tuple[int, int]:
         """(cores sharing the tile of ``load``, core-id stride between them)."""
         group, stride, acc = 1, 1, 1
+        covered = transfer_dims(self, load)
         for d in reversed(self.grid):
-            if d.name not in load.index:
+            if d.name not in covered:
                 if group == 1:
                     stride = acc
                 group *= d.cores
@@ -577,9 +605,13 @@ class Program:
                 f"{at}: offsets {list(offsets)} must give one offset per host dim of "
                 f"{op.name!r} {list(lay.host_size)}"
             )
+        if s.rows:
+            self._check_rows(s, at, lay)
         for k, d in enumerate(s.index):
             off = offsets[k] if offsets else 0
             n = 1 if d is None else self.dim(d).size
+            if s.rows and k == s.rows_dim:
+                continue  # any row of the operand: checked against the table
             if offsets:
                 if off < 0 or off + n > lay.host_size[k]:
                     raise ProgramError(
@@ -614,7 +646,7 @@ class Program:
                     f"{lay.stick_elems}: two cores would write the same stick. Set "
                     f"Dim(chunk=...) to a multiple of {lay.stick_elems}."
                 )
-        idx = [d for d in s.index if d is not None]
+        idx = list(transfer_dims(self, s))
         if isinstance(s, Load) and s.multicast and not self.multicast_group(s)[0] > 1:
             raise ProgramError(
                 f"{at}: multicast load of {op.name!r} but no dim split over cores is "
@@ -625,6 +657,24 @@ class Program:
             raise ProgramError(
                 f"{at}: operand {op.name!r} indexed by {idx} but buffer {buf.name!r} has dims {list(buf.dims)}"
             )
+
+    def _check_rows(self, s: Load | Store, at: str, lay: SpyreTensorLayout) -> None:
+        table = self.buffer(s.rows)
+        if table.dtype not in (torch.int32, torch.int64):
+            raise ProgramError(f"{at}: row table {s.rows!r} must be int32/int64, not {table.dtype}")
+        if not 0 <= s.rows_dim < len(lay.host_size) or s.rows_dim == lay.stick_dim:
+            raise ProgramError(
+                f"{at}: rows_dim {s.rows_dim} must name a host dim of {s.operand!r} other than "
+                f"its stick dim {lay.stick_dim} (a DMA descriptor addresses whole sticks)"
+            )
+        d = s.index[s.rows_dim]
+        if d is None or table.dims[-1] != d:
+            raise ProgramError(
+                f"{at}: host dim {s.rows_dim} of {s.operand!r} is indexed by {d!r}, which must "
+                f"be the last dim of its row table {s.rows!r} {list(table.dims)}"
+            )
+        if s.rows_run < 1:
+            raise ProgramError(f"{at}: rows_run must be >= 1")
 
     def _check_lx(self, cfg: HardwareConfig, where: str) -> None:
         usage = self.lx_usage(cfg)
@@ -795,18 +845,21 @@ def _step_from_dict(d: dict[str, Any]) -> Step:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
-def _idx(index: tuple[str | None, ...]) -> str:
-    return ", ".join(d if d is not None else "0" for d in index)
+def _idx(index: tuple[str | None, ...], s: Load | Store | None = None) -> str:
+    names = [d if d is not None else "0" for d in index]
+    if s is not None and s.rows:  # paged: that dim's rows come from the table
+        names[s.rows_dim] = f"{s.rows}[{names[s.rows_dim]}]"
+    return ", ".join(names)
 
 
 def _step_text(s: Step) -> str:
     if isinstance(s, Load):
         mc = "   (multicast over the ring)" if s.multicast else ""
         at = f" from {list(s.offsets)}" if any(s.offsets) else ""
-        return f"load   {s.buffer} <- {s.operand}[{_idx(s.index)}]{at}{mc}"
+        return f"load   {s.buffer} <- {s.operand}[{_idx(s.index, s)}]{at}{mc}"
     if isinstance(s, Store):
         at = f" at {list(s.offsets)}" if any(s.offsets) else ""
-        return f"store  {s.operand}[{_idx(s.index)}]{at} <- {s.buffer}"
+        return f"store  {s.operand}[{_idx(s.index, s)}]{at} <- {s.buffer}"
     if isinstance(s, Matmul):
         return f"matmul {s.out} += {s.a} @ {s.b}   (PE array)"
     if isinstance(s, Vector):

@@ -39,6 +39,7 @@ from torch_spyre.sim.program import (
     Step,
     Store,
     Vector,
+    transfer_dims,
 )
 
 UNITS = ("dma", "pe", "vector", "ring")
@@ -147,13 +148,13 @@ def _itemsize(dt: torch.dtype) -> int:
 def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
     """(transfers, bytes) of a load/store on this core."""
     p = cv.p
+    dims = transfer_dims(p, s)
     if isinstance(s, Store):
         # replicas: only cores at coordinate 0 of split dims missing from the index
         for d in p.grid:
-            if d.name not in s.index and cv.coords[d.name] != 0:
+            if d.name not in dims and cv.coords[d.name] != 0:
                 return 0.0, 0.0
     lay = p.operand(s.operand).layout
-    dims = tuple(d for d in s.index if d is not None)
     sticks = cv.count(s, dims)
     se = lay.stick_elems
     stick_dim = lay.stick_dim if lay.host_size else -1
@@ -167,7 +168,19 @@ def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
             sticks *= _stick_sum(cv.start[d] + offsets[k], cv.extent[d], t, se)
         else:
             sticks *= cv.dim_sum(s, d)
-    transfers = math.prod(cv.tiles(d) for d in s.loops)
+    if not s.rows:
+        transfers = math.prod(cv.tiles(d) for d in s.loops)
+        return float(transfers), float(sticks * cv.stick_bytes)
+    # paged: the table's other dims (a request each) multiply the sticks; one
+    # DMA descriptor per run of consecutive rows (a page) of each of them
+    table = p.buffer(s.rows).dims
+    paged = s.index[s.rows_dim]
+    run = s.rows_run
+    transfers = cv.count(s, dims) * cv.dim_sum(s, paged, lambda n: -(-n // run))
+    for t in table:
+        if t != paged and t not in s.index:
+            sticks *= cv.dim_sum(s, t)
+            transfers *= cv.dim_sum(s, t)
     return float(transfers), float(sticks * cv.stick_bytes)
 
 
@@ -284,6 +297,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     # is asked about thousands of candidate plans)
     per_sig: dict[tuple, tuple] = {}
     sticky = _sticky_dims(p)
+    shared_pages = _shared_page_loads(p)
     for c in range(ncores):
         cv = views[c]
         sig = (_core_signature(p, cv, sticky), mem_cycles_per_byte[c])
@@ -301,8 +315,11 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         dram0, ring0 = dram_bytes, ring_bytes
         loop_b = dict.fromkeys(UNITS, 0.0)
         serial = 0.0
-        for s in p.steps:
+        for i, s in enumerate(p.steps):
             cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c])
+            if i in shared_pages:  # its pages come with an earlier load's descriptors
+                cost.cycles["dma"] -= cost.setup
+                cost.setup = 0.0
             frac = _causal_fraction(cv, s.loops)
             if frac != 1.0:  # causal tiles skipped (Dim.causal_to)
                 cost = _Cost(
@@ -452,6 +469,34 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
     # the combining adds of the reduce-scatter run on the vector units
     vec = (group - 1) / group * sticks / cfg.corelets_per_core
     return _Cost({"ring": ring, "vector": vec}, ring_bytes=sent)
+
+
+def _shared_page_loads(p: Program) -> set[int]:
+    """Paged loads whose pages an earlier load's descriptors already fetch.
+
+    Two loads through the same row table in the same loop that read
+    adjacent sticks of each row (a KV cache's key and value sticks of a
+    slot and head lie side by side in its stick layout) are one strided DMA
+    per page: the later one costs its bytes, not another descriptor set-up.
+    """
+    out: set[int] = set()
+    seen: dict[tuple, tuple[int, ...]] = {}
+    for i, s in enumerate(p.steps):
+        if not (isinstance(s, Load) and s.rows):
+            continue
+        key = (s.operand, s.rows, s.rows_dim, s.loops, s.index)
+        offs = s.offsets or (0,) * len(s.index)
+        prev = seen.get(key)
+        if prev is None:
+            seen[key] = offs
+            continue
+        differ = [k for k, (a, b) in enumerate(zip(prev, offs)) if a != b]
+        if len(differ) == 1 and s.index[differ[0]] is None:
+            lay = p.operand(s.operand).layout
+            tab = lay.dim_offsets[differ[0]]
+            if abs(int(tab[offs[differ[0]]]) - int(tab[prev[differ[0]]])) == lay.stick_elems:
+                out.add(i)
+    return out
 
 
 def _vector_ops(p: Program, s: Step) -> float:

@@ -13,21 +13,27 @@ by every layer:
 * ``slots``: where this step's new keys/values go (``index_copy_`` into the pages);
 * requests in two groups, decodes (one query token) and the rest, so that a
   prefill in the batch does not pad every decode to its length; per group:
-  ``kv_index`` [R*S]: the slot of each context position of each request, padded
-  to the group's longest context S (pad -> slot 0, masked out); ``q_index``
-  [R*Q]: the token row of each query position, padded to the longest query Q
-  (pad -> token 0); ``mask`` [R, 1, Q, S]: causal within the request, offset by
-  the cached context (chunked prefill and prefix-cache hits are the same case:
-  queries start at ``seq_len - query_len``);
-* ``out_index`` [T]: each token's row in the groups' concatenated results.
+  ``q_rows`` [R, Q] int32: the token row of each query position, padded to the
+  longest query Q (-1); ``kv_rows`` [R, S] int32: the cache slot of each
+  context position, padded to the group's longest context rounded up to whole
+  pages (-1, masked out); ``mask`` [R, 1, Q, S]: causal within the request,
+  offset by the cached context (chunked prefill and prefix-cache hits are the
+  same case: queries start at ``seq_len - query_len``), windowed for
+  sliding-window layers.
 
-Each layer then runs, per group: gather pages (one index_select for keys, one for
-values), gather queries, one batched SDPA with the mask (GQA via
-``enable_gqa``); then one index_select back to token order — all kernels on the
-card, no host round trip. With the compiled forward (compile.py) this runs inside
-vLLM's opaque attention custom ops, outside the kernel programs; rows of the
-bucket's padding (past ``num_actual_tokens``) are never written to the cache and
-their output is zeroed.
+Each layer then runs, per group, one paged-attention kernel program
+(``spyre::paged_attention``, ops/paged_attention.py): the cores read the
+group's slot table and the K/V pages where they lie in the cache (one DMA
+descriptor per page, no gathered copy), the flash-attention loop in LX, and
+each query's output row written to its token's row; decode and prefill
+alike, soft-capped logits and sinks included (one program per page of context
+growth, not per token).  Encoder-only attention (no cache: keys are the step's
+tokens; ``q_index``/``kv_index`` token rows, ``out_index`` [T] each token's row
+in the groups' concatenated results) gathers keys, values and queries with
+index_select and runs one batched SDPA per group.
+With the compiled forward (compile.py) this runs inside vLLM's opaque attention
+custom ops, outside the compiled programs; rows of the bucket's padding (past
+``num_actual_tokens``) are never written to the cache and their output is zeroed.
 """
 
 from __future__ import annotations
@@ -92,9 +98,13 @@ class AttentionGroup:
     num_reqs: int
     max_query_len: int
     max_seq_len: int
-    q_index: torch.Tensor  # [R*Q] int64: token row of each padded query
-    kv_index: torch.Tensor  # [R*S] int64: cache slot of each padded context position
     mask: torch.Tensor  # [R, 1, Q, S] bool: causal after the cached context, no padding
+    # paged (decoder) attention, the paged-attention program's tables:
+    q_rows: torch.Tensor | None = None  # [R, Q] int32: token row of each query, -1 padding
+    kv_rows: torch.Tensor | None = None  # [R, S] int32: cache slot of each context position
+    # encoder-only attention (keys are the step's tokens), gathered by index_select:
+    q_index: torch.Tensor | None = None  # [R*Q] int64: token row of each padded query
+    kv_index: torch.Tensor | None = None  # [R*S] int64: token row of each padded key
 
 
 @dataclass
@@ -102,7 +112,8 @@ class SpyreAttentionMetadata:
     num_actual_tokens: int
     slots: torch.Tensor  # [T] int64, spyre: where this step's keys/values go
     groups: list[AttentionGroup]
-    out_index: torch.Tensor  # [T] int64, spyre: each token's row in the groups' outputs
+    out_index: torch.Tensor | None  # [T] int64, spyre: each token's row in the groups' outputs
+    block_size: int = 16
 
 
 def _group_indices(
@@ -122,6 +133,10 @@ def _group_indices(
     seq = seq[reqs] if table is not None else q_lens
     ctx = seq - q_lens  # tokens already in the cache before this step
     r, q_max, s_max = len(reqs), int(q_lens.max()), int(seq.max())
+    if table is not None:
+        # whole pages (the kernel reads pages): one program per block_size of
+        # context growth, not one per token
+        s_max = -(-s_max // block_size) * block_size
 
     j = torch.arange(q_max, dtype=torch.int64)
     s = torch.arange(s_max, dtype=torch.int64)
@@ -146,14 +161,15 @@ def _group_indices(
     # A padded query row must not be all False (SDPA would give NaN); let it see
     # position 0 — its output is never read back.
     mask[:, :, 0] |= ~q_valid
-    return {
-        "num_reqs": r,
-        "max_query_len": q_max,
-        "max_seq_len": s_max,
-        "q_index": q_index.reshape(-1),
-        "kv_index": kv_index.reshape(-1),
-        "mask": mask[:, None],
-    }
+    out = {"num_reqs": r, "max_query_len": q_max, "max_seq_len": s_max, "mask": mask[:, None]}
+    if table is None:
+        out.update(q_index=q_index.reshape(-1), kv_index=kv_index.reshape(-1))
+    else:
+        out.update(
+            q_rows=torch.where(q_valid, q_index, -1).to(torch.int32),
+            kv_rows=torch.where(s_valid, kv_index, -1).to(torch.int32),
+        )
+    return out
 
 
 def build_indices(
@@ -231,7 +247,9 @@ class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetad
             num_actual_tokens=n,
             slots=m.slot_mapping[:n].to(torch.int64).to(SPYRE),
             groups=[to_card(g) for g in groups],
-            out_index=out_index.to(SPYRE),
+            # paged groups write their tokens' rows themselves
+            out_index=None if m.causal else out_index.to(SPYRE),
+            block_size=self.block_size,
         )
 
 
@@ -315,11 +333,20 @@ class SpyreAttentionImpl(AttentionImpl):
         m = attn_metadata
         n = m.num_actual_tokens
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
-        if self.attn_type == AttentionType.ENCODER_ONLY:  # keys: this step's tokens
-            keys, values = key[:n].view(-1, kvh, d), value[:n].view(-1, kvh, d)
-        else:
-            pages = kv_cache.view(2, -1, kvh, d)
-            keys, values = pages[0], pages[1]
+        if self.attn_type != AttentionType.ENCODER_ONLY:
+            # one paged-attention program per group, each writing its tokens' rows
+            o = torch.empty((n, h, d), dtype=query.dtype, device=query.device)
+            for g in m.groups:
+                torch.ops.spyre.paged_attention(
+                    o, query[:n], kv_cache, g.q_rows, g.kv_rows, g.mask, self.scale,
+                    self.soft_cap or 0.0, self.sinks, m.block_size,
+                )  # fmt: skip
+            output[:n].copy_(o.to(output.dtype))
+            if output.shape[0] > n:
+                output[n:].zero_()  # a compiled bucket's padding rows: defined values
+            return output
+        # encoder-only: keys are this step's tokens
+        keys, values = key[:n].view(-1, kvh, d), value[:n].view(-1, kvh, d)
         position_bias = getattr(layer, "spyre_position_bias", None)
         outs = []
         for g in m.groups:
@@ -329,8 +356,6 @@ class SpyreAttentionImpl(AttentionImpl):
             q = query[:n].index_select(0, g.q_index).view(r, q_max, h, d).transpose(1, 2)
             bias = None
             if position_bias is not None:  # a learned bias by key - query distance (MPNet)
-                if self.attn_type != AttentionType.ENCODER_ONLY:
-                    raise NotImplementedError("spyre: a position bias needs encoder-only attention")
                 rel = torch.arange(s_max)[None, :] - torch.arange(q_max)[:, None]
                 bias = position_bias(rel)[None]  # [1, H, Q, S]
             o = self._attend(q, k, v, g.mask, bias)  # [R, H, Q, D]
