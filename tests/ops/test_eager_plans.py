@@ -75,7 +75,15 @@ def test_square_matmul_uses_the_card():
     assert planned < 1500 and fixed > 5 * planned
 
 
-def test_planned_once_per_shape(monkeypatch):
+ONCE = {
+    "matmul": lambda a, w: a @ w.T,
+    "layer norm": lambda a, w: F.layer_norm(a, (320,), w[0]),
+    "rms norm": lambda a, w: F.rms_norm(a, (320,), w[0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONCE))
+def test_planned_once_per_shape(monkeypatch, name):
     calls = []
     search = eager_plans.lowering._plan_dims
     monkeypatch.setattr(
@@ -85,14 +93,14 @@ def test_planned_once_per_shape(monkeypatch):
     from torch_spyre.ops import launch
 
     launch.clear_cache()
-    a = torch.randn(96, 320, dtype=H).to("spyre")
-    b = torch.randn(320, 192, dtype=H).to("spyre")
+    a = torch.randn(96, 320, dtype=H)
+    w = (1 + torch.randn(192, 320, dtype=H) / 4).to(H)
+    sa, sw = a.to("spyre"), w.to("spyre")
     for _ in range(3):
-        out = a @ b
+        out = ONCE[name](sa, sw)
     assert len(calls) == 1
-    torch.testing.assert_close(
-        out.cpu().float(), a.cpu().float() @ b.cpu().float(), atol=0.05, rtol=1e-2
-    )
+    want = ONCE[name](a.float(), w.float())
+    torch.testing.assert_close(out.cpu().float(), want, atol=0.05, rtol=1e-2)
 
 
 def test_rms_norm_is_one_kernel():
