@@ -4,8 +4,9 @@ next to our timing model on the same algorithms (issue 18, item 3).
     python benchmarks/ktir_crosscheck.py [--markdown] [--recorded]
 
 ktir-cpu (github.com/torch-spyre/ktir-cpu, the snapshot pinned in
-../shared/clients) ships KTIR kernels lowered from Triton: softmax, matmul,
-RMSNorm and LayerNorm.  Each is rebuilt here as one of our kernel programs
+../shared/clients) ships KTIR kernels, most lowered from Triton: softmax,
+matmul, RMSNorm and LayerNorm, and a small softmax among its latency
+examples.  Each is rebuilt here as one of our kernel programs
 with the *same algorithm*: the same core grid, the same tile per iteration
 (one row, or 1024-element row blocks; matmul 32x512x128 tiles), the same
 passes over device memory (a second and third read of each row where the
@@ -20,7 +21,7 @@ ktir-cpu runs when its snapshot can be found (``TORCH_SPYRE_IBM_CLIENTS`` or
 ~/.cache/torch_spyre/clients and imported from there (it needs only numpy).
 Otherwise, or with ``--recorded``, its figures recorded in ``RECORDED`` (from
 the commit ``KTIR_COMMIT``) are shown.  ktir-cpu executes every tile of
-every core in Python: ~30 s for the four kernels.
+every core in Python: ~45 s for the five kernels.
 """
 
 from __future__ import annotations
