@@ -320,9 +320,10 @@ CASES = (
         matmul_program,
         _our_matmul(64, 8192, 2048),
         _SETUP,
-        "operand reuse: our plan multicasts each weight tile over the ring to the "
-        "cores that share it, so B (32 MiB) is read once; the example grid reads "
-        "it once per M block (2x) and A once per N block (16x)",
+        "operand reuse: our plan splits N over 16 cores and K over 2 (M whole, "
+        "partial sums joined by a ring all-reduce), so every core reads its own "
+        "block of B (32 MiB read once) and A is multicast over the ring; the "
+        "example's 2x16 M-by-N grid reads B twice and A 16 times (72 MB vs 35 MB)",
     ),
     Case(
         "RMSNorm", "256x4096, 4 cores", "latency/rmsnorm_4core_4x1.mlir", "rmsnorm_4x1",
