@@ -144,12 +144,20 @@ def matmul_program(
     )
 
 
-def _row_blocks(name: str, m: int, n: int, cores: int, block: int, **parts) -> Program:
+def _row_blocks(
+    name: str, m: int, n: int, cores: int, block: int, inputs: tuple[str, ...],
+    extra: tuple[Operand, ...] = (), **parts,
+) -> Program:  # fmt: skip
     """The norms' iteration: rows over ``cores``, one row at a time, each
-    row walked in blocks of ``block`` elements (``parts``: operands, buffers,
-    steps)."""
+    row walked in blocks of ``block`` elements; ``inputs`` and ``out`` are
+    [m, n] operands, ``extra`` more outputs (``parts``: buffers, steps)."""
     dims = (Dim("m", m, cores, 1), Dim("n", n, 1, block))
-    return Program(name=name, dims=dims, loop_order=("m", "n"), **parts)
+    operands = (
+        *(Operand(x, _lay(m, n), "input") for x in inputs),
+        Operand("out", _lay(m, n), "output"),
+        *extra,
+    )
+    return Program(name=name, dims=dims, operands=operands, loop_order=("m", "n"), **parts)
 
 
 def rmsnorm_program(m: int = 256, n: int = 4096, cores: int = 4, block: int = 1024) -> Program:
@@ -159,12 +167,7 @@ def rmsnorm_program(m: int = 256, n: int = 4096, cores: int = 4, block: int = 10
     weight tiled over the rows), scale, store."""
     L, LN = ("m",), ("m", "n")
     return _row_blocks(
-        f"ktir_rmsnorm_{m}x{n}", m, n, cores, block,
-        operands=(
-            Operand("x", _lay(m, n), "input"),
-            Operand("w", _lay(m, n), "input"),
-            Operand("out", _lay(m, n), "output"),
-        ),
+        f"ktir_rmsnorm_{m}x{n}", m, n, cores, block, ("x", "w"),
         buffers=(
             Buffer("x1", LN, H, True),
             Buffer("sq", LN, H),
@@ -197,17 +200,10 @@ def layernorm_program(m: int = 1151, n: int = 8192, cores: int = 32, block: int 
     with the weight and bias (full [m, n] matrices), normalise, store."""
     L, LN = ("m",), ("m", "n")
     return _row_blocks(
-        f"ktir_layernorm_{m}x{n}", m, n, cores, block,
-        operands=(
-            Operand("x", _lay(m, n), "input"),
-            Operand("w", _lay(m, n), "input"),
-            Operand("b", _lay(m, n), "input"),
-            Operand("out", _lay(m, n), "output"),
-            # one statistic per row, each in a stick of its own (a store
-            # moves whole sticks; two cores never write one stick)
-            Operand("mean", _lay(m, 1), "output"),
-            Operand("rstd", _lay(m, 1), "output"),
-        ),
+        f"ktir_layernorm_{m}x{n}", m, n, cores, block, ("x", "w", "b"),
+        # one statistic per row, each in a stick of its own (a store moves
+        # whole sticks; two cores never write one stick)
+        extra=(Operand("mean", _lay(m, 1), "output"), Operand("rstd", _lay(m, 1), "output")),
         buffers=(
             Buffer("x1", LN, H, True),
             Buffer("mu", L, H),
