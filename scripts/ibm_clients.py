@@ -39,18 +39,19 @@ EXTRA = ["pytest", "pyyaml", "pytest-timeout", "pytest-asyncio", "gguf==0.19.0",
 BUILD = ["setuptools>=77", "setuptools-rust", "setuptools-scm>=8", "wheel", "ninja", "packaging"]
 
 
-def clients_dir() -> Path:
-    """../shared/clients next to the checkout, as laid out for developers and CI."""
+def clients_dir(snapshot: str = SNAPSHOTS["spyre-inference"]) -> Path:
+    """../shared/clients next to the checkout, as laid out for developers and
+    CI: the folder that holds ``snapshot``."""
     env = os.environ.get("TORCH_SPYRE_IBM_CLIENTS")
     for cand in ([Path(env)] if env else []) + [
         ROOT.parent / "shared" / "clients",
         Path("/work/shared/clients"),
     ]:
-        if (cand / SNAPSHOTS["spyre-inference"]).exists():
+        if (cand / snapshot).exists():
             return cand
     raise FileNotFoundError(
-        "IBM's client snapshots (spyre-inference-*.tar.gz, hf-adapters-*.tar.gz) are not in "
-        "../shared/clients; set TORCH_SPYRE_IBM_CLIENTS to the folder that holds them"
+        f"IBM's client snapshots ({snapshot}, ...) are not in ../shared/clients; "
+        "set TORCH_SPYRE_IBM_CLIENTS to the folder that holds them"
     )
 
 

@@ -10,6 +10,8 @@ import torch_spyre  # noqa: F401  (registers the device)
 from torch_spyre.runtime.fallback import SpyreFallbackWarning
 
 warnings.filterwarnings("ignore", category=SpyreFallbackWarning)
+# tests import shared helpers from here (benchmark_module)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -404,14 +404,9 @@ def test_decompose_index_and_view_layouts():
 
 
 def _blocks():
-    import importlib.util
-    import pathlib
+    import benchmark_module
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "compile_blocks.py"
-    spec = importlib.util.spec_from_file_location("compile_blocks", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module.load("compile_blocks")
 
 
 @pytest.mark.slow  # compiles each block for spyre and for CPU

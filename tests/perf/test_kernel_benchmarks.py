@@ -14,31 +14,16 @@ figures below together, and say why in the change.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
+import benchmark_module
 import pytest
 import torch
 
 from torch_spyre.compiler import options, scheduling
 from torch_spyre.sim import RingAllReduce, timing_only
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "spyre_kernel_bench", ROOT / "benchmarks/kernels.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-B = _load_benchmark()
+B = benchmark_module.load("kernels")
 
 #: modelled microseconds of the (optimised, naive) plans; the SwiGLU MLP also
 #: unfused.  Regenerate with benchmarks/kernels.py (see the module docstring).

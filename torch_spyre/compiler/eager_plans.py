@@ -5,8 +5,11 @@ default core split, no operand multicast); the compiler chooses among
 candidate splits, tiles and multicast with the cost model
 (``lowering._plan_dims``).  ``plan`` runs that same search on an eager
 program, so an eager ``a @ b`` is modelled as the compiler would run it
-alone, not up to 7x slower.  The result is cached per program (the eager
-layer also caches the kernel per shape), so the hot path plans once.
+alone, not up to 7x slower.  Row kernels (layer / RMS norm) take the same
+search: their rows spread over all cores (the recipe puts whole stat
+sticks, 32 rows, on a core) and tiled so the row loop is a pipeline.  The
+result is cached per program (the eager layer also caches the kernel per
+shape), so the hot path plans once.
 
 Only the dims' split, tiles and loops and the loads' multicast change: the
 steps, buffers and operands are the eager program's, so the numbers it
@@ -18,8 +21,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torch_spyre.compiler import lowering
-from torch_spyre.sim import Load, Program, Store
+from torch_spyre.sim import Load, Program, Reduce, Store
 from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.program import Scan
 
 _plans: dict[tuple, Program] = {}
 
@@ -31,6 +35,8 @@ def _renamed(s, ren: dict[str, str]):
     kw: dict = {"loops": names(s.loops)}
     if isinstance(s, Load | Store):
         kw["index"] = names(s.index)
+    if isinstance(s, Reduce | Scan):
+        kw["dim"] = ren[s.dim]
     return replace(s, **kw)
 
 
@@ -42,10 +48,12 @@ def plan(program: Program, cfg: HardwareConfig) -> Program:
     if hit is not None:
         return hit
     # the compiler names dims x0, x1, ... (outer to inner); the reduced ones
-    # are those no store writes (a matmul's k)
+    # are those no store writes (a matmul's k) and those a row step walks
+    # whole (a norm's or softmax's row: never split over cores)
     ren = {d.name: f"x{i}" for i, d in enumerate(program.dims)}
     stored = {d for s in program.steps if isinstance(s, Store) for d in s.index if d}
-    reduced = frozenset(ren[d.name] for d in program.dims if d.name not in stored)
+    rows = {s.dim for s in program.steps if isinstance(s, Reduce | Scan)}
+    reduced = frozenset(ren[d.name] for d in program.dims if d.name not in stored or d.name in rows)
     steps = [_renamed(s, ren) for s in program.steps]
     buffers = {b.name: replace(b, dims=tuple(ren[d] for d in b.dims)) for b in program.buffers}
     sizes = {ren[d.name]: d.size for d in program.dims}

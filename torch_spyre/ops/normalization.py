@@ -1,10 +1,11 @@
-"""softmax / log_softmax and layer norm as single kernels (rows stay in LX)."""
+"""softmax / log_softmax, layer norm and RMS norm as single kernels (rows stay in LX)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch._decomp import decomposition_table
 
 from torch_spyre.ops import launch, operands, programs
 from torch_spyre.ops.registry import NoKernel, kernel
@@ -44,18 +45,24 @@ def _log_softmax_k(x, dim, half_to_float):
     return _softmax(x, dim, half_to_float, log=True)
 
 
-@kernel("native_layer_norm.default")
-def _layer_norm(x, normalized_shape, weight, bias, eps):
+def _row_norm(x, normalized_shape, weight, bias, eps: float, rms: bool):
+    """Layer norm (``rms``: RMS norm) of ``x`` over its last ``normalized_shape``
+    dims as one kernel: each row is read once into LX, its statistics and the
+    normalised row computed there, the row stored once.  Returns ``out`` (x's
+    shape), ``mean`` (None for RMS) and ``rstd``, fp32 of shape
+    ``lead + [1] * len(normalized_shape)``."""
     if x.dtype not in _FLOATS:
         raise NoKernel
     nd = len(normalized_shape)
     n = math.prod(normalized_shape)
     lead = tuple(x.shape[: x.dim() - nd])
+    stat_shape = (*lead, *([1] * nd))
     if x.numel() == 0:
         if n == 0:
             raise NoKernel  # statistics of empty rows: PyTorch's NaN rules
-        stats = torch.empty((*lead, *([1] * nd)), dtype=x.dtype, device=x.device)
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), stats, stats.clone()
+        stats = torch.empty(stat_shape, dtype=torch.float32, device=x.device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return out, (None if rms else stats.clone()), stats
     shape = (*lead, n) if lead else (1, n)
     for p in (weight, bias):
         if p is not None and p.dtype != x.dtype:
@@ -63,27 +70,60 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
     src = operands.whole(x).reshape(shape)
     if nd > 1:  # several normalised dims: one flattened row (a re-layout)
         src = operands.whole(src)
-    key = ("layer_norm", shape, x.dtype, float(eps), weight is not None, bias is not None)
+    has_w, has_b = weight is not None, bias is not None
+    key = ("rms_norm" if rms else "layer_norm", shape, x.dtype, eps, has_w, has_b)
     k = launch.kernel(
-        key,
-        lambda: launch.Kernel(
-            programs.layer_norm(shape, x.dtype, float(eps), weight is not None, bias is not None)
-        ),
+        key, lambda: launch.Kernel(programs.layer_norm(shape, x.dtype, eps, has_w, has_b, rms))
     )
     if k.program is None:
         raise NoKernel
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     stats = (*shape[:-1], 1)
-    mean = torch.empty(stats, dtype=torch.float32, device=x.device)
     rstd = torch.empty(stats, dtype=torch.float32, device=x.device)
-    bind = {"x": src, "out": out, "mean": mean, "rstd": rstd}
-    if weight is not None:
+    bind = {"x": src, "out": out, "rstd": rstd}
+    mean = None
+    if not rms:
+        mean = bind["mean"] = torch.empty(stats, dtype=torch.float32, device=x.device)
+    if has_w:
         bind["w"] = operands.whole(weight.reshape(n))
-    if bias is not None:
+    if has_b:
         bind["b"] = operands.whole(bias.reshape(n))
     k.launch(bind)
-    stat_shape = (*lead, *([1] * nd))
+    if mean is not None:
+        mean = mean.view(stat_shape)
+    return out.view(x.shape), mean, rstd.view(stat_shape)
+
+
+@kernel("native_layer_norm.default")
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    out, mean, rstd = _row_norm(x, normalized_shape, weight, bias, float(eps), rms=False)
     # computed in fp32 on the card; returned in the input's dtype, as the CPU does
-    mean = mean.view(stat_shape).to(x.dtype)
-    rstd = rstd.view(stat_shape).to(x.dtype)
-    return out.view(x.shape), mean, rstd
+    return out, mean.to(x.dtype), rstd.to(x.dtype)
+
+
+def _rms_eps(eps) -> float:
+    # PyTorch's default: the machine epsilon of the fp32 accumulation type
+    return float(eps) if eps is not None else torch.finfo(torch.float32).eps
+
+
+# torch 2.13's ``aten::rms_norm`` composite calls ``_fused_rms_norm`` on a
+# backend that has a kernel for it (else it splits the op into pow, mean,
+# add, rsqrt and mul: the row read from device memory five times)
+@kernel("_fused_rms_norm.default")
+def _fused_rms_norm(x, normalized_shape, weight, eps):
+    try:
+        out, _, rstd = _row_norm(x, normalized_shape, weight, None, _rms_eps(eps), rms=True)
+    except NoKernel:  # e.g. a row longer than the LX: op by op on the card, as before
+        return _RMS_FORWARD(x, normalized_shape, weight, eps)
+    return out, rstd  # rstd in fp32, as PyTorch's fused kernels return it
+
+
+@kernel("_fused_rms_norm_backward.default")
+def _fused_rms_norm_backward(grad_out, x, normalized_shape, rstd, weight, output_mask):
+    # PyTorch's own formula (its decomposition), each op an eager kernel on
+    # the card: PyTorch ships no kernel of this op for a backend without one
+    return _RMS_BACKWARD(grad_out, x, normalized_shape, rstd, weight, output_mask)
+
+
+_RMS_FORWARD = decomposition_table[torch.ops.aten._fused_rms_norm.default]
+_RMS_BACKWARD = decomposition_table[torch.ops.aten._fused_rms_norm_backward.default]

@@ -221,6 +221,14 @@ def _rowwise_dims(
     return [Dim(r, shape[0], ncores, tile, chunk)], loops, ncores
 
 
+def _compiler_plan(prog: Program, cfg: HardwareConfig) -> Program:
+    """``prog`` with the compiler's split / tiles / multicast search (its
+    steps stay): an eager kernel modelled as the same op compiled alone."""
+    from torch_spyre.compiler import eager_plans
+
+    return eager_plans.plan(prog, cfg)
+
+
 def op_keeps_acc(op: str) -> bool:
     return not op.startswith(("argmax", "argmin"))
 
@@ -398,12 +406,7 @@ def matmul(
         steps=tuple(steps),
         loop_order=loops,
     )
-    if not planned:
-        return prog
-    # the compiler's split / tiles / multicast search (the steps above stay)
-    from torch_spyre.compiler import eager_plans
-
-    return eager_plans.plan(prog, cfg)
+    return _compiler_plan(prog, cfg) if planned else prog
 
 
 def softmax(
@@ -475,29 +478,41 @@ def layer_norm(
     rms: bool = False,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    *,
+    planned: bool = True,
 ) -> Program:
     """Layer norm (or RMS norm) over the last dim of ``x``.
 
     Operands ``x``, optional ``w`` and ``b`` (last dim), ``out``, and the
     statistics ``mean`` and ``rstd`` (fp32, one per row; no mean for RMS).
+    ``planned``: rows split and tiled by the compiler's search (the default
+    split puts whole stat sticks, 32 rows, on a core: 8 of 32 cores busy
+    for 512 rows); else the fixed recipe.
     """
     cfg = config or HardwareConfig()
     dim = len(shape) - 1
     names = [f"d{i}" for i in range(len(shape))]
     r = names[dim]
     kept = tuple(names[:-1])
-    dims, loops, _ = _rowwise_dims(shape, dim, dtype, torch.float32, 6, cfg, tile_rows=False)
+    dims, loops, _ = _rowwise_dims(shape, dim, dtype, torch.float32, 7, cfg, tile_rows=False)
     idx = tuple(names)
     n = shape[dim]
     f32 = torch.float32
     steps: list = [Load("x_t", "x", idx, loops)]
     operands_ = [Operand("x", SpyreTensorLayout.default(shape, dtype), "input")]
-    buffers = [Buffer("x_t", idx, dtype, True), Buffer("rstd", kept, f32), Buffer("y", idx, f32)]
+    # every stored buffer double buffered (as the compiler does): the row
+    # loop is then a pipeline, the vector work of one tile hidden under the
+    # transfers of the next
+    buffers = [
+        Buffer("x_t", idx, dtype, True),
+        Buffer("rstd", kept, f32, True),
+        Buffer("y", idx, f32, True),
+    ]
     if rms:
         steps += [Vector("square", "y", ("x_t",), (), loops)]
         src = "x_t"
     else:
-        buffers += [Buffer("mean", kept, f32), Buffer("xc", idx, f32)]
+        buffers += [Buffer("mean", kept, f32, True), Buffer("xc", idx, f32)]
         steps += [
             Reduce("sum", "mean", "x_t", r, loops),
             Vector("mul_scalar", "mean", ("mean",), (1.0 / n,), loops),
@@ -526,7 +541,7 @@ def layer_norm(
         operands_.append(Operand("mean", SpyreTensorLayout.default(stats_shape, f32), "output"))
     steps.append(Store("rstd", "rstd", (*kept, None), loops))
     operands_.append(Operand("rstd", SpyreTensorLayout.default(stats_shape, f32), "output"))
-    return Program(
+    prog = Program(
         name=name or f"{'rms' if rms else 'layer'}norm_{'x'.join(map(str, shape))}",
         dims=tuple(dims),
         operands=tuple(operands_),
@@ -534,3 +549,4 @@ def layer_norm(
         steps=tuple(steps),
         loop_order=loops,
     )
+    return _compiler_plan(prog, cfg) if planned else prog
