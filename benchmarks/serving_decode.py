@@ -15,6 +15,7 @@ roof) and at the 204.8 GB/s peak, and the ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -26,6 +27,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--eager", action="store_true", help="TORCH_SPYRE_VLLM_COMPILE=0")
     ap.add_argument("--profile", action="store_true", help="kernel table of the decode steps")
+    ap.add_argument("--json", action="store_true", help="a last line of JSON (the rows)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,23 +84,26 @@ def main() -> int:
     decodes = [
         (t, r, s) for t, r, s in st["history"][first:] if t == args.batch and r == args.batch
     ]
-    if os.environ.get("SERVING_DECODE_DEBUG"):
-        print(st["history"])
     mode = "eager" if args.eager else "compiled"
     print(f"SmolLM2-135M fp16, vLLM ({mode}), batch {args.batch}, context {args.context}")
     print(f"{'step':>4}{'context':>9}{'modelled ms':>13}{'floor ms (sust.)':>18}"
           f"{'floor ms (peak)':>17}{'ratio':>8}")  # fmt: skip
     worst = 0.0
+    rows = []
     for i, (_, _, s) in enumerate(decodes[: args.steps]):
         ctx = args.context + 1 + i
         nbytes = st["weights"] + args.batch * ctx * kv_per_token
         sust = nbytes / hw.sustained_bandwidth_Bps
         peak = nbytes / hw.memory_bandwidth_Bps
         worst = max(worst, s / sust)
+        rows.append({"context": ctx, "modelled_s": s, "floor_s": sust, "ratio": s / sust})
         print(f"{i:>4}{ctx:>9}{s * 1e3:>13.3f}{sust * 1e3:>18.3f}{peak * 1e3:>17.3f}"
               f"{s / sust:>7.2f}x")  # fmt: skip
     print(f"worst ratio to the sustained floor: {worst:.2f}x (target <= 1.3x)")
-    return 0
+    if args.json:
+        kernels = sorted({k.name for k in prof.kernels if k.name.startswith("flash_attn")})
+        print(json.dumps({"rows": rows, "attention_kernels": kernels}))
+    return 0 if rows else 1
 
 
 if __name__ == "__main__":

@@ -166,3 +166,27 @@ def test_paged_attention_op_on_the_card_equals_the_cpu(variant):
     )  # fmt: skip
     assert dispatch_stats.counts("kernel").get("paged_attention", 0) == before + 1
     torch.testing.assert_close(out.cpu().double(), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("d", [64, 16])
+def test_kv_cache_write_is_one_scatter_kernel(d):
+    """A step's keys and values into their slots: one program on the card,
+    the same cache as index_copy on the CPU, other slots untouched."""
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 6, 16, 2, d, generator=g).half()
+    key, value = (torch.randn(5, 2, d, generator=g).half() for _ in range(2))
+    slots = torch.tensor([3, 40, 17, 95, 64], dtype=torch.int32)
+    want = cache.clone()
+    torch.ops.spyre.kv_cache_write(want, key, value, slots)
+    pages = cache.view(2, -1, 2, d)
+    assert torch.equal(want.view(2, -1, 2, d)[0, slots.long()], key)
+    assert torch.equal(want.view(2, -1, 2, d)[1, slots.long()], value)
+    untouched = torch.ones(pages.shape[1], dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(want.view(2, -1, 2, d)[:, untouched], pages[:, untouched])
+
+    dev = cache.to("spyre")
+    before = dispatch_stats.counts("kernel").get("kv_cache_write", 0)
+    torch.ops.spyre.kv_cache_write(dev, key.to("spyre"), value.to("spyre"), slots.to("spyre"))
+    assert dispatch_stats.counts("kernel").get("kv_cache_write", 0) == before + 1
+    assert torch.equal(dev.cpu(), want)

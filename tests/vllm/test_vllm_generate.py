@@ -95,13 +95,13 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
 
 
-# Eager kernels a compiled step may still launch: the paged attention (the opaque op
-# in the graph: KV write, gathers, SDPA as bmm/softmax/masking; attention.py), the
-# gather of the sampled rows and their zero padding for the compiled LM head.
-# attention: one paged-attention program per group, the KV-cache writes, the
-# output's copy; padding rows zeroed
+# Eager kernels a compiled step may still launch: the attention (the opaque op in
+# the graph: one KV-cache write, one paged-attention program per group of
+# requests; attention.py), the gather of the sampled rows and their zero padding
+# for the compiled LM head.
 ATTENTION_AND_PADDING = {
     "paged_attention",
+    "kv_cache_write",
     *("index_copy", "index_select", "index", "cat", "zero_", "fill_", "copy_", "_to_copy"),
 }
 

@@ -25,6 +25,7 @@ import torch
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.ops import attention, launch, operands
 from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.sim.program import Buffer, Dim, Load, Operand, Program, Store
 
 
 @torch.library.custom_op("spyre::paged_attention", mutates_args=("out",))
@@ -87,7 +88,7 @@ def _device(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks, 
             mask=((r, 1, q, s), torch.bool), softcap=softcap, sinks=sinks is not None,
             paged=PagedKV(t, slots, int(block)), config=cards.config(dev.index or 0),
         )  # fmt: skip
-        return launch.Kernel(p, {"same_bytes": _same_bytes((t, h, d), (t, kvh, g, d), out.dtype)})
+        return launch.Kernel(p)
 
     try:
         kern = launch.kernel(key, build)
@@ -95,31 +96,126 @@ def _device(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks, 
         return False
     if kern.program is None:
         return False
-    # the program reads and writes [T, kv_heads, group, D]: the bytes of a
-    # whole [T, H, D] tensor (checked once per kernel), so those are used in place
-    same = kern.info["same_bytes"]
-    direct = same and operands.is_whole_default(out)
-    target = out if direct else torch.empty((t, kvh, g, d), dtype=out.dtype, device=dev)
-    if not direct:
-        target.copy_(out.view(t, kvh, g, d))  # rows this call does not write keep their values
-    if same and operands.is_whole_default(query):
-        qmem = operands.device_memory(query)
-    else:
-        qmem = operands.memory(query.reshape(t, kvh, g, d))
+
+    # The program reads and writes [T, kv_heads, group, D]: the bytes of a
+    # whole [T, H, D] or [T, H * D] tensor when D is whole sticks (checked once
+    # per shape); such a query and output are used in place.
+    def in_place(x: torch.Tensor) -> torch.Tensor | None:
+        base = operands.base_of(x)
+        if base is None:
+            return None
+        known = kern.info.setdefault("same_bytes", {})
+        shape = tuple(base.shape)
+        if shape not in known:
+            known[shape] = _same_bytes(shape, (t, kvh, g, d), x.dtype)
+        return base if known[shape] else None
+
+    direct = in_place(out)
+    # otherwise a copy: rows this call does not write keep their values
+    target = direct if direct is not None else out.reshape(t, kvh, g, d).clone()
+    qbase = in_place(query)
+    qmem = (
+        operands.device_memory(qbase)
+        if qbase is not None
+        else operands.memory(query.reshape(t, kvh, g, d))
+    )
     bufs = {
         "q": qmem,
         "kv": operands.device_memory(kv_cache),
         "q_rows": operands.memory(q_rows.to(torch.int32)),
         "kv_rows": operands.memory(kv_rows.to(torch.int32)),
         "mask": operands.memory(mask),
-        "out": operands.device_memory(target),
+        "out": operands.memory(target),
     }
     if sinks is not None:
         bufs["sinks"] = operands.memory(sinks.float().reshape(kvh, g))
     kern.launch_memory(dev.index or 0, bufs)
-    if not direct:
+    if direct is None:
         out.copy_(target.view(t, h, d))
     dispatch_stats.record("kernel", "paged_attention")
+    return True
+
+
+@torch.library.custom_op("spyre::kv_cache_write", mutates_args=("kv_cache",))
+def kv_cache_write(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """kv_cache[0|1] row slots[t] = key|value[t]: a step's new keys and values
+    into their pages, one kernel (a scatter store through the slot table)."""
+    if key.device.type == "spyre" and _device_write(kv_cache, key, value, slots):
+        return
+    pages = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    rows = slots.to(torch.int64)
+    pages[0].index_copy_(0, rows, key.to(kv_cache.dtype))
+    pages[1].index_copy_(0, rows, value.to(kv_cache.dtype))
+
+
+@kv_cache_write.register_fake
+def _(kv_cache, key, value, slots):
+    return None
+
+
+def _write_program(t: int, kvh: int, d: int, slots: int, dtype: torch.dtype, cores: int) -> Program:
+    """Tokens over the cores; each loads its rows' keys, values and slots,
+    and stores both into the cache (one descriptor per token fetches its
+    adjacent key and value sticks)."""
+    lay = SpyreTensorLayout.default
+    loop = ("t",)  # 32-token tiles: any step's tokens fit the LX
+    return Program(
+        name=f"kv_cache_write_{t}x{kvh}x{d}",
+        dims=(Dim("t", t, min(t, cores), 32), Dim("h", kvh), Dim("d", d)),
+        operands=(
+            Operand("key", lay((t, kvh, d), dtype)),
+            Operand("value", lay((t, kvh, d), dtype)),
+            Operand("slots", lay((t,), torch.int32)),
+            Operand("kv", lay((2, slots, kvh, d), dtype), "inout"),
+        ),
+        buffers=(
+            Buffer("sl", ("t",), torch.int32),
+            Buffer("kt", ("t", "h", "d"), dtype),
+            Buffer("vt", ("t", "h", "d"), dtype),
+        ),
+        steps=(
+            Load("sl", "slots", ("t",), loop),
+            Load("kt", "key", ("t", "h", "d"), loop),
+            Load("vt", "value", ("t", "h", "d"), loop),
+            Store("kv", "kt", (None, "t", "h", "d"), loop, (0, 0, 0, 0), "sl", 1),
+            Store("kv", "vt", (None, "t", "h", "d"), loop, (1, 0, 0, 0), "sl", 1),
+        ),
+        loop_order=loop,
+    )
+
+
+def _device_write(kv_cache, key, value, slots) -> bool:
+    t, kvh, d = key.shape
+    if (
+        tuple(value.shape) != (t, kvh, d)
+        or tuple(kv_cache.shape[-2:]) != (kvh, d)
+        or key.dtype != kv_cache.dtype
+        or value.dtype != kv_cache.dtype
+        or not operands.is_whole_default(kv_cache)
+    ):
+        return False
+    n = kv_cache.numel() // (2 * kvh * d)
+    dev = key.device
+    kern = launch.kernel(
+        ("kv_cache_write", t, kvh, d, n, key.dtype),
+        lambda: launch.Kernel(
+            _write_program(t, kvh, d, n, key.dtype, cards.config(dev.index or 0).cores)
+        ),
+    )
+    if kern.program is None:
+        return False
+    kern.launch_memory(
+        dev.index or 0,
+        {
+            "key": operands.memory(key),
+            "value": operands.memory(value),
+            "slots": operands.memory(slots.to(torch.int32)),
+            "kv": operands.device_memory(kv_cache),
+        },
+    )
+    dispatch_stats.record("kernel", "kv_cache_write")
     return True
 
 

@@ -317,7 +317,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         serial = 0.0
         for i, s in enumerate(p.steps):
             cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c])
-            if i in shared_pages:  # its pages come with an earlier load's descriptors
+            if i in shared_pages:  # its pages move with an earlier transfer's descriptors
                 cost.cycles["dma"] -= cost.setup
                 cost.setup = 0.0
             frac = _causal_fraction(cv, s.loops)
@@ -472,9 +472,9 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
 
 
 def _shared_page_loads(p: Program) -> set[int]:
-    """Paged loads whose pages an earlier load's descriptors already fetch.
+    """Paged loads (stores) whose pages an earlier one's descriptors already move.
 
-    Two loads through the same row table in the same loop that read
+    Two loads (or stores) through the same row table in the same loop that read
     adjacent sticks of each row (a KV cache's key and value sticks of a
     slot and head lie side by side in its stick layout) are one strided DMA
     per page: the later one costs its bytes, not another descriptor set-up.
@@ -482,9 +482,9 @@ def _shared_page_loads(p: Program) -> set[int]:
     out: set[int] = set()
     seen: dict[tuple, tuple[int, ...]] = {}
     for i, s in enumerate(p.steps):
-        if not (isinstance(s, Load) and s.rows):
+        if not (isinstance(s, Load | Store) and s.rows):
             continue
-        key = (s.operand, s.rows, s.rows_dim, s.loops, s.index)
+        key = (type(s), s.operand, s.rows, s.rows_dim, s.loops, s.index)
         offs = s.offsets or (0,) * len(s.index)
         prev = seen.get(key)
         if prev is None:

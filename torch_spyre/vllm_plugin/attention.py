@@ -110,7 +110,7 @@ class AttentionGroup:
 @dataclass
 class SpyreAttentionMetadata:
     num_actual_tokens: int
-    slots: torch.Tensor  # [T] int64, spyre: where this step's keys/values go
+    slots: torch.Tensor  # [T] int32, spyre: where this step's keys/values go
     groups: list[AttentionGroup]
     out_index: torch.Tensor | None  # [T] int64, spyre: each token's row in the groups' outputs
     block_size: int = 16
@@ -245,7 +245,7 @@ class SpyreAttentionMetadataBuilder(AttentionMetadataBuilder[SpyreAttentionMetad
         # One host->device copy per index tensor per step, shared by all layers.
         return SpyreAttentionMetadata(
             num_actual_tokens=n,
-            slots=m.slot_mapping[:n].to(torch.int64).to(SPYRE),
+            slots=m.slot_mapping[:n].to(torch.int32).to(SPYRE),
             groups=[to_card(g) for g in groups],
             # paged groups write their tokens' rows themselves
             out_index=None if m.causal else out_index.to(SPYRE),
@@ -310,9 +310,10 @@ class SpyreAttentionImpl(AttentionImpl):
         if meta is None or kv_cache.numel() == 0 or self.attn_type != AttentionType.DECODER:
             return  # profiling / warm-up; encoder-only attention keeps no cache
         n = meta.num_actual_tokens
-        pages = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
-        pages[0].index_copy_(0, meta.slots, key[:n])
-        pages[1].index_copy_(0, meta.slots, value[:n])
+        kvh, d = self.num_kv_heads, self.head_size
+        torch.ops.spyre.kv_cache_write(
+            kv_cache, key[:n].view(n, kvh, d), value[:n].view(n, kvh, d), meta.slots
+        )
 
     def forward(
         self,
@@ -335,13 +336,12 @@ class SpyreAttentionImpl(AttentionImpl):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
         if self.attn_type != AttentionType.ENCODER_ONLY:
             # one paged-attention program per group, each writing its tokens' rows
-            o = torch.empty((n, h, d), dtype=query.dtype, device=query.device)
+            # of the output (its whole storage in place when the layouts agree)
             for g in m.groups:
                 torch.ops.spyre.paged_attention(
-                    o, query[:n], kv_cache, g.q_rows, g.kv_rows, g.mask, self.scale,
+                    output, query, kv_cache, g.q_rows, g.kv_rows, g.mask, self.scale,
                     self.soft_cap or 0.0, self.sinks, m.block_size,
                 )  # fmt: skip
-            output[:n].copy_(o.to(output.dtype))
             if output.shape[0] > n:
                 output[n:].zero_()  # a compiled bucket's padding rows: defined values
             return output
