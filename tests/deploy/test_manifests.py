@@ -18,11 +18,10 @@ import re
 import shlex
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate  # the test extra (pyproject.toml): a missing validator fails
 import pytest
-
-yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
