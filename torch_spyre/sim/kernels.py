@@ -791,15 +791,26 @@ def best_swiglu_mlp(
         )
     ]
     # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
+    planned: set[tuple[int, ...]] = set()
     for pb, pm, pn, pk in busy or splits:
         em = ceil_div(m, pm)
         en = ceil_div(n_sticks, pn) * se if pn > 1 else n
         ek = ceil_div(k_sticks, pk) * se if pk > 1 else k
         eb = ceil_div(b, pb)
+        # splits whose whole-stick chunks come out the same are one plan
+        if (eb, em, en, ek) in planned:
+            continue
+        planned.add((eb, em, en, ek))
         tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})
         tbs = sorted({1, eb}) if batched else [1]
-        for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek)):
-            tn, tk = min(tn, en), min(tk, ek)
+        # tiles clamped to the core's extents, each distinct one planned once
+        tiles = sorted(
+            {
+                (tb, tm, min(tn, en), min(tk, ek))
+                for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
+            }
+        )
+        for tb, tm, tn, tk in tiles:
             p = swiglu_mlp(
                 b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
                 batched=batched, residual=residual, config=cfg, name=name, tb=tb,
