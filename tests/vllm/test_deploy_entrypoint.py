@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -43,76 +42,62 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_entrypoint_serves_after_warm_up_with_metrics(tiny_llama_dir, tiny_llama_ref, hf_greedy,
-                                                      tmp_path):  # fmt: skip
+def test_entrypoint_serves_after_warm_up_with_metrics(
+    tiny_llama_dir, tiny_llama_ref, hf_greedy, vllm_server, monkeypatch
+):
     want = hf_greedy(tiny_llama_ref, PROMPT, 4)  # before the server takes the cores
-    port, metrics_port = _free_port(), _free_port()
-    # what an in-process engine of this test session left in the environment
-    # is not the pod's: start from a clean copy
-    env = {k: v for k, v in os.environ.items() if not k.startswith("_TORCH_SPYRE_VLLM")}
-    env.update(
-        SPYRE_PYTHON=sys.executable, SPYRE_HOST="127.0.0.1", SPYRE_PORT=str(port),
-        SPYRE_SERVED_MODEL_NAME="tiny", TORCH_SPYRE_VLLM_METRICS_PORT=str(metrics_port),
-        VLLM_ENABLE_V1_MULTIPROCESSING="1", TORCH_SPYRE_VLLM_LOG_STEPS="1", OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
+    # what an in-process engine of this session left in the environment is not
+    # the pod's; the entrypoint's own defaults apply, as in the image
+    for k in (
+        "_TORCH_SPYRE_VLLM_METRICS_PROXY_PID",
+        "_TORCH_SPYRE_VLLM_METRICS_PICKED_PORT",
+        "TORCH_SPYRE_VLLM_WARMUP",
+        "TORCH_SPYRE_NUM_CARDS",
+        "TORCH_SPYRE_VLLM_COMPILE",
+    ):
+        monkeypatch.delenv(k, raising=False)  # fmt: skip
+    env = {
+        "SPYRE_PYTHON": sys.executable, "SPYRE_SERVED_MODEL_NAME": "tiny",
+        "TORCH_SPYRE_VLLM_METRICS_PORT": str(_free_port()), "TORCH_SPYRE_VLLM_LOG_STEPS": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(":"),
+    }  # fmt: skip
+    # the fixture adds --port and --host: the entrypoint passes them on (last one wins)
+    base, proc, log = vllm_server(
+        tiny_llama_dir, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "64",
+        "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+        "--kv-cache-memory-bytes", str(8 << 20), env=env, launcher=["bash", str(ENTRY)],
     )  # fmt: skip
-    for k in ("TORCH_SPYRE_VLLM_WARMUP", "TORCH_SPYRE_NUM_CARDS", "TORCH_SPYRE_VLLM_COMPILE"):
-        env.pop(k, None)  # the entrypoint's defaults, as in the image
-    log = tmp_path / "serve.log"
-    cmd = ["bash", str(ENTRY), tiny_llama_dir, "--skip-tokenizer-init", "--dtype", "float32",
-           "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
-           "--kv-cache-memory-bytes", str(8 << 20)]  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    at_ready = log.read_text()
+    # ready only after the warm-up compiled both token buckets (16, 32)
+    assert "spyre-serve: " in at_ready
+    tail = at_ready[-3000:]
+    assert "spyre: warm-up 2/2" in at_ready and "spyre: warm-up done" in at_ready, tail
+
+    metrics = _get(base + "/metrics")
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc"):  # fmt: skip
+        _metric(metrics, name)  # what llm-d's endpoint picker reads
+    assert re.search(r"^spyre:\w+", metrics, re.M), metrics[-2000:]
+    steps_before = _metric(metrics, "spyre:steps_total")
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        tokens = json.loads(r.read())["choices"][0]["token_ids"]
+    assert tokens == want
+    metrics = _get(base + "/metrics")
+    assert _metric(metrics, "spyre:steps_total") >= steps_before + 4
+    assert _metric(metrics, "spyre:modelled_device_seconds_total") > 0
+    # no bucket compiled after the warm-up: the request paid no compile
+    compiled = "-token bucket compiled"
+    assert log.read_text().count(compiled) == at_ready.count(compiled)
+
+    proc.send_signal(signal.SIGTERM)  # exec'd: vLLM itself gets it, as from the kubelet
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"entrypoint exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if urllib.request.urlopen(base + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"not healthy in 300 s:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
-        at_ready = log.read_text()
-        # ready only after the warm-up compiled both token buckets (16, 32)
-        assert "spyre-serve: " in at_ready
-        tail = at_ready[-3000:]
-        assert "spyre: warm-up 2/2" in at_ready and "spyre: warm-up done" in at_ready, tail
-
-        metrics = _get(base + "/metrics")
-        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
-                     "vllm:kv_cache_usage_perc"):  # fmt: skip
-            _metric(metrics, name)  # what llm-d's endpoint picker reads
-        assert re.search(r"^spyre:\w+", metrics, re.M), metrics[-2000:]
-        steps_before = _metric(metrics, "spyre:steps_total")
-
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        req = urllib.request.Request(
-            base + "/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=300) as r:
-            tokens = json.loads(r.read())["choices"][0]["token_ids"]
-        assert tokens == want
-        metrics = _get(base + "/metrics")
-        assert _metric(metrics, "spyre:steps_total") >= steps_before + 4
-        assert _metric(metrics, "spyre:modelled_device_seconds_total") > 0
-        # no bucket compiled after the warm-up: the request paid no compile
-        assert log.read_text().count("-token bucket compiled") == at_ready.count(
-            "-token bucket compiled"
-        )
-    finally:
-        proc.send_signal(signal.SIGTERM)  # exec'd: vLLM itself gets it
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"no exit within 60 s of SIGTERM:\n{log.read_text()[-3000:]}")
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"no exit within 60 s of SIGTERM:\n{log.read_text()[-3000:]}")
