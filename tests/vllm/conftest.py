@@ -88,7 +88,9 @@ def tiny_llama_ref(tiny_llama_dir: str) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """Start `vllm serve` subprocesses: ``start(model, *args, env=...)`` returns
-    (base URL, its Popen, its log file); each is terminated after the module."""
+    (base URL, its Popen, its log file) once /health is 200; each is terminated
+    after the module.  ``launcher`` replaces ``python -m vllm... serve`` (e.g.
+    deploy/entrypoint.sh, which takes the same arguments)."""
     import socket
     import subprocess
     import sys
@@ -97,13 +99,19 @@ def vllm_server(tmp_path_factory):
 
     procs = []
 
-    def start(model: str, *args: str, env: dict | None = None, timeout: float = 300):
+    def start(
+        model: str,
+        *args: str,
+        env: dict | None = None,
+        timeout: float = 300,
+        launcher: list[str] | None = None,
+    ):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         log = tmp_path_factory.mktemp("serve") / "serve.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-               "--port", str(port), "--host", "127.0.0.1", *args]  # fmt: skip
+        serve = launcher or [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
+        cmd = [*serve, model, "--port", str(port), "--host", "127.0.0.1", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         with open(log, "wb") as out:
             proc = subprocess.Popen(

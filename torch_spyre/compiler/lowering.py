@@ -1228,6 +1228,9 @@ def _matmul_split(
     if nd in held:
         pm, pn = min(rest, m) if mn is None else pm, 1
     row_split = next((d for d in rows if sizes[d] >= pm and d not in held), None)
+    if mn is not None and len(mn) > 3:
+        # a candidate that splits another row dim (_matmul_choices)
+        row_split = rows[mn[3]]
     if row_split is not None and pm > 1:
         split[row_split] = (min(pm, sizes[row_split]), None)
     n_chunk = None
@@ -1264,10 +1267,23 @@ def _matmul_split(
         tiles[d] = 1
     if rows:
         r0 = row_split or rows[0]
-        inner = math.prod(sizes[d] for d in rows[rows.index(r0) + 1 :])
-        for d in rows[: rows.index(r0)]:
+        i0 = rows.index(r0)
+        inner = math.prod(sizes[d] for d in rows[i0 + 1 :])
+        for d in rows[:i0]:
             tiles[d] = 1
         tiles[r0] = max(1, tm // max(inner, 1))
+        if i0 > 0:
+            # an inner row dim split: its core extent caps its tile, and the
+            # rest of the row tile goes to the dims outside it (otherwise each
+            # weight tile would serve one element of the outer dims at a time)
+            ext = -(-sizes[r0] // split[r0][0]) if r0 in split else sizes[r0]
+            tiles[r0] = min(tiles[r0], ext)
+            left = tm // max(inner * tiles[r0], 1)
+            for d in reversed(rows[:i0]):
+                if left < 2:
+                    break
+                tiles[d] = min(sizes[d], left)
+                left //= tiles[d]
     tiles[nd] = sizes[nd] if nd in held else tn
     inner_k = kd[-1]
     tiles[inner_k] = min(sizes[inner_k] if pk == 1 else ek, tk)
@@ -1689,6 +1705,14 @@ def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool)
                 if pk > k_sticks:
                     continue
                 out += [((pm, pn, pk), True), ((pm, pn, pk), False)]
+                # rows in several dims (a [B, S, K] activation): the outer one
+                # is split when it can take the cores; the inner one is
+                # outermost in device memory ([S, K/64, B, 64]), so splitting
+                # it is what keeps a large activation and output inside a
+                # core's span: a candidate too
+                for i, d in enumerate(rows[1:], 1):
+                    if pm > 1 and sizes[d] >= pm:
+                        out += [((pm, pn, pk, i), True), ((pm, pn, pk, i), False)]
     return out or [(None, True)]
 
 

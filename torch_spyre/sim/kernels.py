@@ -574,6 +574,7 @@ def swiglu_mlp(
     residual: float | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    tb: int = 1,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -588,9 +589,22 @@ def swiglu_mlp(
     cores the partial outputs are combined by a ring all-reduce.  ``e=None``:
     no down projection (the output is the hidden activation).
 
+    ``k`` over cores (``split``'s 4th entry, ``E == K`` only): each core holds
+    a band of k sticks of the activation, gate and up weights (``wg``/``wu``
+    are ``[N, K]`` with K the stick dim, so a hidden-dim slice of them spans
+    the whole tensor in device memory while a k band is contiguous: this is
+    what keeps a core inside its 256 MiB span when the weights are larger);
+    the gate and up partial sums of each hidden block are combined by a ring
+    all-reduce before ``silu(g) * u``, and the down projection then writes
+    the same k band of the output columns (``wd``'s hidden slice of that band),
+    so the activation and the output accumulator in LX shrink by the split too.
+
     Operands (nn.Linear weights): ``x`` [b, m, k] (``batched=False``:
     [m, k]), ``wg``, ``wu`` [n, k], ``wd`` [e, n], ``out`` [b, m, e or n].
-    ``split``: cores over (b, m, n); ``tiles``: (tm, tn, tk).
+    ``split``: cores over (b, m, n) or (b, m, n, k); ``tiles``: (tm, tn, tk);
+    ``tb``: batch elements per tile (a decode step's ``[B, 1, K]`` is B rows of
+    one token: with ``tb`` > 1 every weight tile serves ``tb * tm`` rows instead
+    of being streamed again for each batch element).
 
     ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
     residual add of a decoder layer as the epilogue of the down projection
@@ -598,19 +612,24 @@ def swiglu_mlp(
     output accumulator; one rounding on the store).
     """
     cfg = config or HardwareConfig()
-    pb, pm, pn = split if split is not None else (1, min(m, cfg.cores), 1)
+    pb, pm, pn, pk = (*split, 1)[:4] if split is not None else (1, min(m, cfg.cores), 1, 1)
     se = stick_elems(dtype)
     en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
     pn = ceil_div(n, en)
+    ek = ceil_div(ceil_div(k, se), pk) * se if pk > 1 else k
+    pk = ceil_div(k, ek)
     em = ceil_div(m, pm)
-    tm, tn, tk = tiles if tiles is not None else (em, min(en, 64), min(k, 512))
+    tm, tn, tk = tiles if tiles is not None else (em, min(en, 64), min(ek, 512))
     acc = torch.float32 if dtype.is_floating_point else torch.int32
     down = e is not None
+    if pk > 1 and e != k:
+        # the k band of the output exists only when the output columns are k
+        raise ProgramError("swiglu_mlp: a k split needs the down projection with E == K")
     dims = [
-        Dim("b", b, pb, 1),
+        Dim("b", b, pb, tb),
         Dim("m", m, pm, tm),
         Dim("n", n, pn, tn, chunk=en if pn > 1 else None),
-        Dim("k", k, 1, tk),
+        Dim("k", k, pk, tk, chunk=ek if pk > 1 else None),
     ]
     if down and e != k:
         dims.append(Dim("e", e, 1))
@@ -626,13 +645,19 @@ def swiglu_mlp(
         Load("wut", "wu", ("n", "k"), l4, multicast=w_mc),
         Matmul("g", "xt", "wgt", l4),
         Matmul("u", "xt", "wut", l4),
+        # k over cores: each holds a partial sum of the hidden block
+        *(
+            [RingAllReduce("g", "k", "sum", l3), RingAllReduce("u", "k", "sum", l3)]
+            if pk > 1
+            else []
+        ),
         Vector("silu", "g", ("g",), (), l3),
         Vector("mul", "h", ("g", "u"), (), l3),
     ]
     x_dims = xb if batched else ("m", "k")
     buffers = [
         # one activation block per core is loaded once: no second copy
-        Buffer("xt", x_dims, dtype, db and tm < em),
+        Buffer("xt", x_dims, dtype, db and (tm < em or tb < ceil_div(b, pb))),
         Buffer("wgt", ("n", "k"), dtype, db),
         Buffer("wut", ("n", "k"), dtype, db),
         Buffer("g", hi if batched else ("m", "n"), acc),
@@ -732,37 +757,63 @@ def best_swiglu_mlp(
     name: str | None = None,
 ) -> Program:
     """The fused SwiGLU MLP program the timing model finds fastest: core
-    splits over (b, rows, hidden) and tiles (rows, hidden block, k) that fit
-    the LX."""
+    splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)
+    that fit the LX and a core's address span.
+
+    k over cores is what plans weights whose hidden slices span more than a
+    core's 256 MiB (Llama-3.1-70B: 8192 x 28672, 14336 per card at TP 2);
+    a batch tile of the whole per-core batch lets a decode step's weight
+    tiles serve all its requests at once."""
     from torch_spyre.sim.timing import estimate
 
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
+    n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
+    kpows = pows if e == k else [1]  # a k split needs the output columns to be k
     splits = [
-        (pb, pm, pn)
-        for pb, pm, pn in itertools.product(pows if batched else [1], pows, pows)
-        if pb * pm * pn <= cfg.cores and pb <= b and pm <= m and pn <= ceil_div(n, se)
+        (pb, pm, pn, pk)
+        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, pows, kpows)
+        if pb * pm * pn * pk <= cfg.cores
+        and pb <= b
+        and pm <= m
+        and pn <= n_sticks
+        and pk <= k_sticks
     ]
     busy = [
         s
         for s in splits
         # not one that leaves half the card idle although there is work to split
         if not (
-            s[0] * s[1] * s[2] < cfg.cores // 2 and (s[0] < b or s[1] < m or s[2] < ceil_div(n, se))
+            math.prod(s) < cfg.cores // 2
+            and (s[0] < b or s[1] < m or s[2] < n_sticks or s[3] < k_sticks)
         )
     ]
     # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
-    for pb, pm, pn in busy or splits:
+    planned: set[tuple[int, ...]] = set()
+    for pb, pm, pn, pk in busy or splits:
         em = ceil_div(m, pm)
-        en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
+        en = ceil_div(n_sticks, pn) * se if pn > 1 else n
+        ek = ceil_div(k_sticks, pk) * se if pk > 1 else k
+        eb = ceil_div(b, pb)
+        # splits whose whole-stick chunks come out the same are one plan
+        if (eb, em, en, ek) in planned:
+            continue
+        planned.add((eb, em, en, ek))
         tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})
-        for tm, tn, tk in itertools.product(tms, (32, 64, 128), (512, 1024, k)):
-            tn, tk = min(tn, en), min(tk, k)
+        tbs = sorted({1, eb}) if batched else [1]
+        # tiles clamped to the core's extents, each distinct one planned once
+        tiles = sorted(
+            {
+                (tb, tm, min(tn, en), min(tk, ek))
+                for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
+            }
+        )
+        for tb, tm, tn, tk in tiles:
             p = swiglu_mlp(
-                b, m, k, n, e, dtype, split=(pb, pm, pn), tiles=(tm, tn, tk),
-                batched=batched, residual=residual, config=cfg, name=name,
+                b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
+                batched=batched, residual=residual, config=cfg, name=name, tb=tb,
             )  # fmt: skip
             try:
                 p.validate(cfg)

@@ -71,6 +71,14 @@ def _metrics() -> dict[str, object] | None:
     return _prom
 
 
+def export() -> None:
+    """Create the series (at zero) and open the worker's metrics port now, not
+    at the first step: called when the warm-up ends, so the first scrape after
+    the server turns ready (llm-d's endpoint picker, a Prometheus) already
+    finds every ``spyre:*`` series."""
+    _metrics()
+
+
 def _card() -> int:
     import torch
 

@@ -15,6 +15,7 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
+from torch_spyre.vllm_plugin import metrics
 from torch_spyre.vllm_plugin.model_runner import SpyreModelRunner
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
@@ -131,6 +132,7 @@ class SpyreWorker(CPUWorker):
         """Compile the token buckets before the engine reports ready (model_runner.warm_up)."""
         times = super().compile_or_warm_up_model()
         self.model_runner.warm_up()
+        metrics.export()  # the spyre:* series exist from the moment /health is 200
         return times
 
     def determine_available_memory(self) -> int:
