@@ -197,6 +197,10 @@ if __name__ == "__main__":
     scenario = sys.argv[1]
     timeout = timedelta(seconds=float(os.environ.get("CCL_TEST_TIMEOUT", "30")))
     dist.init_process_group("cpu:gloo,spyre:spyreccl", timeout=timeout)
+    # one gloo collective first: every rank has finished connecting gloo's mesh
+    # before any scenario runs (a rank done early must not exit while a slower
+    # one, on a loaded machine, is still mid-handshake: "connectFullMesh failed")
+    dist.all_reduce(torch.zeros(1))
     globals()[scenario]()
     print("OK", flush=True)
     if scenario != "dead_peer":
