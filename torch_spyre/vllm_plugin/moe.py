@@ -11,10 +11,10 @@ or sigmoid, top-k, renormalisation) runs before it, on the card.
 
 vLLM's ``w13_weight`` [E, 2I, H] (gate rows, then up rows) and ``w2_weight``
 [E, H, I] are the op's ``gate_up_proj`` / ``down_proj`` as loaded: no
-re-layout.  What the op does not describe (expert biases, expert parallelism,
-the router weight applied to the input, shared experts fused into the
-routed call, activations other than SiLU/GELU/ReLU with a gate) is refused
-with an error naming it.
+re-layout.  Shared experts (DeepSeek's) run as their own MLP, called where
+vLLM's modular kernels call them.  What the op does not describe (expert
+biases, expert parallelism, the router weight applied to the input,
+activations other than SiLU/GELU with a gate) is refused with an error naming it.
 """
 
 from __future__ import annotations
@@ -52,10 +52,15 @@ class SpyreFusedMoEMethod(UnquantizedFusedMoEMethod):
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if shared_experts is not None:
-            raise NotImplementedError(
-                "spyre fused MoE: shared experts passed into the routed call; run them "
-                "as their own MLP (the model's shared_experts module)"
+            # as vLLM's modular kernels do: the shared experts run here when their
+            # order is "inside the kernel" (it keeps their output for the runner),
+            # and do nothing when the runner runs them itself
+            from vllm.model_executor.layers.fused_moe.runner.shared_experts import (
+                SharedExpertsOrder,
             )
+
+            inp = shared_experts_input if shared_experts_input is not None else x
+            shared_experts(inp, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
         act = _ACTS[_act_name(layer)]
         return torch.ops.spyre.moe_experts(
             x,
