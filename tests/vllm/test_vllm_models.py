@@ -1,9 +1,10 @@
 """Model classes beyond llama on spyre through vLLM: sliding-window attention
-(mistral, gemma3's local layers), soft-capped logits (gemma2), mixtures of
+(mistral, gemma3's and gemma4's local layers), soft-capped logits (gemma2), mixtures of
 experts (mixtral, qwen3_moe: vLLM's FusedMoE on the card), the Granite 4
 hybrid (granitemoehybrid: Mamba-2 + attention + MoE, vLLM's hybrid KV cache
-with the Mamba state on the card: vllm_plugin/mamba.py), compiled, with
-greedy tokens equal to transformers on the CPU.
+with the Mamba state on the card: vllm_plugin/mamba.py), compiled, and
+DeepSeek-V3 (shared expert, latent attention expanded), eager, with greedy
+tokens equal to transformers on the CPU.
 
 fp32 on the card: these are tiny random models whose greedy choices are close
 calls, which 16-bit rounding flips (the same models in bf16 also serve; the
@@ -40,6 +41,11 @@ CONFIGS = {
         query_pre_attn_scalar=32,
         attn_logit_softcapping=30.0,
         final_logit_softcapping=20.0,
+    ),  # fmt: skip
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(
+        **COMMON,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
     ),  # fmt: skip
     # vLLM's FusedMoE (router top-k, then spyre::moe_experts: vllm_plugin/moe.py)
     "mixtral": lambda: transformers.MixtralConfig(
