@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_spyre
-from torch_spyre.compiler import lowering, scheduling
+from torch_spyre.compiler import lowering, scheduling, views
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.testing import tolerances
@@ -384,23 +384,23 @@ def test_decompose_index_and_view_layouts():
 
     a, b, c = sympy.symbols("a b c")
     r = {"a": 4, "b": 16, "c": 64}
-    assert lowering._decompose(a * 1024 + b * 64 + c, (64, 64), (64, 1), 0, r, "t") == (
+    assert views._decompose(a * 1024 + b * 64 + c, (64, 64), (64, 1), 0, r, "t") == (
         [["a", "b"], ["c"]],
         [0, 0],
     )
     # the k slice of a fused qkv projection: heads x head_dim at column 256
     r = {"a": 4, "b": 64, "c": 32}
-    got = lowering._decompose(64 * a + b + 768 * c + 256, (32, 768), (768, 1), 0, r, "t")
+    got = views._decompose(64 * a + b + 768 * c + 256, (32, 768), (768, 1), 0, r, "t")
     assert got == ([["c"], ["a", "b"]], [0, 256])
-    lay, start = lowering.view_layout((32, 768), H, [[32], [4, 64]], [0, 256])
+    lay, start = views.view_layout((32, 768), H, [[32], [4, 64]], [0, 256])
     assert lay.host_size == (32, 4, 64) and lay.device_size == (4, 1, 32, 64)
     assert start == 4 * 32 * 64  # sticks 4..7 of every row: one contiguous block
-    lay, start = lowering.view_layout((64, 64), H, [[4, 16], [64]])
+    lay, start = views.view_layout((64, 64), H, [[4, 16], [64]])
     assert lay.host_size == (4, 16, 64) and lay.device_size == (1, 4, 16, 64) and start == 0
     with pytest.raises(lowering.Unsupported, match="whole sticks"):
-        lowering.view_layout((32, 768), H, [[32], [32]], [0, 16])
+        views.view_layout((32, 768), H, [[32], [32]], [0, 16])
     with pytest.raises(lowering.Unsupported, match="not contiguous"):
-        lowering.view_layout((4, 32, 64), H, [[2], [32], [64]], [1, 0, 0])
+        views.view_layout((4, 32, 64), H, [[2], [32], [64]], [1, 0, 0])
 
 
 def _blocks():

@@ -85,9 +85,9 @@ ONCE = {
 @pytest.mark.parametrize("name", sorted(ONCE))
 def test_planned_once_per_shape(monkeypatch, name):
     calls = []
-    search = eager_plans.lowering._plan_dims
+    search = eager_plans.planner._plan_dims
     monkeypatch.setattr(
-        eager_plans.lowering, "_plan_dims", lambda *a, **k: calls.append(1) or search(*a, **k)
+        eager_plans.planner, "_plan_dims", lambda *a, **k: calls.append(1) or search(*a, **k)
     )
     eager_plans._plans.clear()
     from torch_spyre.ops import launch

@@ -3,7 +3,7 @@
 An eager op builds its program with a fixed recipe (``ops/programs.py``: the
 default core split, no operand multicast); the compiler chooses among
 candidate splits, tiles and multicast with the cost model
-(``lowering._plan_dims``).  ``plan`` runs that same search on an eager
+(``planner._plan_dims``).  ``plan`` runs that same search on an eager
 program, so an eager ``a @ b`` is modelled as the compiler would run it
 alone, not up to 7x slower.  Row kernels (layer / RMS norm) take the same
 search: their rows spread over all cores (the recipe puts whole stat
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torch_spyre.compiler import lowering
+from torch_spyre.compiler import kernel_plan, planner
 from torch_spyre.sim import Load, Program, Reduce, Store
 from torch_spyre.sim.config import HardwareConfig
 from torch_spyre.sim.program import Scan
@@ -58,10 +58,10 @@ def plan(program: Program, cfg: HardwareConfig) -> Program:
     buffers = {b.name: replace(b, dims=tuple(ren[d] for d in b.dims)) for b in program.buffers}
     sizes = {ren[d.name]: d.size for d in program.dims}
     try:
-        planned = lowering._plan_dims(
+        planned = planner._plan_dims(
             program.name, steps, buffers, list(program.operands), sizes, reduced, cfg
         )
-    except (lowering.Unsupported, ValueError):
+    except (kernel_plan.Unsupported, ValueError):
         planned = program
     if len(_plans) > 4096:
         _plans.clear()

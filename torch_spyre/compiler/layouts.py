@@ -46,7 +46,7 @@ from dataclasses import replace
 import torch
 
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import Buffer, HardwareConfig, Load, Store, estimate
+from torch_spyre.sim import Buffer, HardwareConfig, Load, ProgramError, Store, estimate
 
 #: choose layouts by cost (False: every operand in its buffer's default
 #: layout; for comparisons).  Part of no cache key: compile afresh after
@@ -85,23 +85,24 @@ def restickify_plan(src: SpyreTensorLayout, dst: SpyreTensorLayout, buffer: str,
     """The kernel program that copies a buffer from layout ``src`` to ``dst``
     (same host sizes): tiles loaded in sticks of one dim, stored in sticks of
     the other; core split and tiles chosen like any row kernel's."""
-    from torch_spyre.compiler import lowering
+    from torch_spyre.compiler import planner
+    from torch_spyre.compiler.kernel_plan import OperandUse, Plan, Unsupported
 
     if src.host_size != dst.host_size or src.dtype != dst.dtype:
         raise ValueError(f"restickify between {src} and {dst}: host sizes and dtypes must match")
     sizes = {f"d{k}": s for k, s in enumerate(src.host_size) if s > 1}
     index = tuple(f"d{k}" if s > 1 else None for k, s in enumerate(src.host_size))
     if not sizes:
-        raise lowering.Unsupported("restickify of a one-element buffer")
+        raise Unsupported("restickify of a one-element buffer")
     dims = tuple(sorted(sizes, key=lambda d: int(d[1:])))
     buffers = {"t0": Buffer("t0", dims, src.dtype, double_buffered=True)}
     steps = [Load("t0", "in0", index), Store("ou1", "t0", index)]
     ops = [
-        lowering.OperandUse("in0", buffer, "input", src, src.host_size),
-        lowering.OperandUse("ou1", target, "output", dst, (dst.device_numel,)),
+        OperandUse("in0", buffer, "input", src, src.host_size),
+        OperandUse("ou1", target, "output", dst, (dst.device_numel,)),
     ]
-    prog = lowering._plan_dims(f"restickify_{buffer}", steps, buffers, ops, sizes, set(), cfg)
-    return lowering.Plan(prog, ops)
+    prog = planner._plan_dims(f"restickify_{buffer}", steps, buffers, ops, sizes, set(), cfg)
+    return Plan(prog, ops)
 
 
 def _plain_input(use, buffer_info) -> tuple | None:
@@ -193,7 +194,7 @@ def consumers_cost(scheduling, group: set[str], buffer: str, layout: SpyreTensor
     matmul, a fallback kernel, the graph output), or cannot read it so."""
     from torch._inductor.scheduler import BaseSchedulerNode
 
-    from torch_spyre.compiler import lowering
+    from torch_spyre.compiler.kernel_plan import Unsupported
 
     g = _graph()
     sched = getattr(g, "scheduler", None)
@@ -235,7 +236,7 @@ def consumers_cost(scheduling, group: set[str], buffer: str, layout: SpyreTensor
             plan = scheduling._plan(list(fused.get_nodes()))
             total += estimate(plan.program, cfg).time_s
             total += sum(estimate(p.program, cfg).time_s for p in plan.pre)
-    except (lowering.Unsupported, lowering.ProgramError):
+    except (Unsupported, ProgramError):
         return None
     finally:
         _TRIAL.pop(buffer, None)
@@ -249,7 +250,7 @@ def choose_output(plan, replan, readers_cost, cfg: HardwareConfig):
     (``readers_cost(buffer, layout)``: seconds of the kernels reading it, or
     None when they cannot read it so).  No restickify: the producer writes
     the layout its readers prefer."""
-    from torch_spyre.compiler import lowering
+    from torch_spyre.compiler.kernel_plan import Plan, Unsupported
 
     if not ENABLED or _COSTING[0]:  # no choices inside the costing of another one
         return plan
@@ -275,14 +276,14 @@ def choose_output(plan, replan, readers_cost, cfg: HardwareConfig):
             ops = [new_u if x is u else x for x in plan.operands]
             try:
                 prog = replan(ops)
-            except (lowering.Unsupported, lowering.ProgramError):
+            except (Unsupported, ProgramError):
                 continue
             r = readers_cost(u.buffer, lay)
             if r is None:
                 continue
             t = estimate(prog, cfg).time_s + r
             if t < best[0]:
-                best = (t, lowering.Plan(prog, ops, plan.removed, plan.after, plan.pre), lay)
+                best = (t, Plan(prog, ops, plan.removed, plan.after, plan.pre), lay)
         if best[2] is not None and best[0] <= base_t * (1 - MIN_GAIN):
             DECISIONS.append((u.buffer, best[2], base_t, best[0]))
             plan = best[1]
@@ -294,7 +295,7 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
     pays: returns the plan (unchanged, or re-planned with ``plan.pre``
     holding the restickify plans to launch first).  ``replan(ops)`` plans the
     same kernel with other operand layouts."""
-    from torch_spyre.compiler import lowering
+    from torch_spyre.compiler.kernel_plan import Plan, Unsupported
 
     if not ENABLED:
         return plan
@@ -317,7 +318,7 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
             try:
                 prog = replan(ops)
                 pre = None if have else restickify_plan(u.layout, lay, u.buffer, target, cfg)
-            except (lowering.Unsupported, lowering.ProgramError):
+            except (Unsupported, ProgramError):
                 continue
             # the copy is made once and read by every kernel that reads the
             # buffer: each pays its share
@@ -326,7 +327,7 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
                 t += estimate(pre.program, cfg).time_s / _readers(u.buffer)
             if t < best[0]:
                 pres = [*plan.pre, pre] if pre is not None else list(plan.pre)
-                best = (t, lowering.Plan(prog, ops, plan.removed, plan.after, pres), u.buffer, lay)
+                best = (t, Plan(prog, ops, plan.removed, plan.after, pres), u.buffer, lay)
     t, chosen = best[:2]
     if chosen is plan or t > base_t * (1 - MIN_GAIN):
         return plan

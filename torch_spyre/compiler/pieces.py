@@ -1,6 +1,6 @@
 """Reads of a sub-block of a reshaped dim: ``x.view(2, 10, d)[:, 2:]`` of a [20, d] buffer.
 
-The stick decomposition (``lowering._decompose``) describes a read as, per
+The stick decomposition (``views._decompose``) describes a read as, per
 buffer dim, variables that tile it contiguously.  A slice *inside* an inner
 piece of a reshaped dim (the last 8 positions of each head of a [heads *
 positions, d] projection, as a sliding-window cache keeps them) is not
