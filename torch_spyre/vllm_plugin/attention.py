@@ -312,7 +312,7 @@ class SpyreAttentionImpl(AttentionImpl):
         n = meta.num_actual_tokens
         kvh, d = self.num_kv_heads, self.head_size
         torch.ops.spyre.kv_cache_write(
-            kv_cache, key[:n].view(n, kvh, d), value[:n].view(n, kvh, d), meta.slots
+            kv_cache, key[:n].reshape(n, kvh, d), value[:n].reshape(n, kvh, d), meta.slots
         )
 
     def forward(
