@@ -42,6 +42,7 @@ from torch_spyre.sim.program import (
     Vector,
     step_reads,
     step_writes,
+    transfer_dims,
 )
 
 _P = "@"  # prefix of a per-core partial axis name
@@ -227,6 +228,15 @@ def _presplit(program: Program) -> dict[int, tuple[str, int, int, int]]:
     return out
 
 
+def _load_dtype(layout: SpyreTensorLayout, buf) -> tuple[torch.dtype, Callable | None]:
+    """The dtype a loaded buffer is held in, and the rounding on the way in:
+    a DL16 card rounds a wider float into a 16-bit buffer as DL16, held in fp32."""
+    held = _held_dtype(layout.dtype, buf.dtype)
+    if buf.dtype in _HALF and layout_mod.FP16_FORMAT == "dl16" and layout.dtype.is_floating_point:
+        return torch.float32, (None if layout.dl16 else dl16.round_trip)
+    return held, None
+
+
 def _paged_offsets(program: Program, s: Load | Store) -> tuple[torch.Tensor, tuple[str, ...]]:
     """For a paged transfer: the device element offsets (flat, host order)
     of one row's elements along the operand's other host dims, and their
@@ -254,16 +264,10 @@ def _build_paged_load(program: Program, s: Load, dims: dict) -> Callable:
     op = program.operand(s.operand)
     buf = program.buffer(s.buffer)
     lay = op.layout
-    held = _held_dtype(lay.dtype, buf.dtype)
-    to_buf = None
-    if buf.dtype in _HALF and layout_mod.FP16_FORMAT == "dl16" and lay.dtype.is_floating_point:
-        if not lay.dl16:
-            to_buf = dl16.round_trip
-        held = torch.float32
+    held, to_buf = _load_dtype(lay, buf)
     inner, axes = _paged_offsets(program, s)
     table = s.rows
-    src = program.buffer(table).dims + tuple(a for a in axes if a not in program.buffer(table).dims)
-    align = _Align(src, buf.dims)
+    align = _Align(transfer_dims(program, s), buf.dims)
     tail = [program.dim(a).size for a in axes]
     row_tab = lay.dim_offsets[s.rows_dim]
     # Each row's elements lie in one window of device memory (a stick row,
@@ -304,13 +308,7 @@ def _build_load(
     op = program.operand(s.operand)
     buf = program.buffer(s.buffer)
     layout = op.layout
-    held = _held_dtype(layout.dtype, buf.dtype)
-    # a DL16 card rounds a wider float into a 16-bit buffer as DL16, held in fp32
-    to_buf = None
-    if buf.dtype in _HALF and layout_mod.FP16_FORMAT == "dl16" and layout.dtype.is_floating_point:
-        if not layout.dl16:
-            to_buf = dl16.round_trip
-        held = torch.float32
+    held, to_buf = _load_dtype(layout, buf)
     keep_view = op.role == "input"
     narrows = tuple(
         (k, off, 1 if d is None else program.dim(d).size)
@@ -359,10 +357,9 @@ def _build_paged_store(program: Program, s: Store, dims: dict) -> Callable:
     """Rows scattered into device memory through a row table; a negative row
     number (a padded query) is not written."""
     lay = program.operand(s.operand).layout
-    inner, axes = _paged_offsets(program, s)
+    inner, _ = _paged_offsets(program, s)
     table = s.rows
-    tdims = program.buffer(table).dims
-    align = _Align(dims[s.buffer], tdims + tuple(a for a in axes if a not in tdims))
+    align = _Align(dims[s.buffer], transfer_dims(program, s))
     row_tab = lay.dim_offsets[s.rows_dim]
     operand, buffer, dtype = s.operand, s.buffer, lay.dtype
     written = VIEWS.written
