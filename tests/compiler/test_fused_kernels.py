@@ -80,6 +80,45 @@ def test_swiglu_mlp_is_one_program_matching_cpu(lead, dtype):
     assert [s.operand for s in _program(ks[0].name).steps if isinstance(s, Store)] == ["out"]
 
 
+def merged_swiglu(x, wgu, wd, res):
+    """vLLM's MLP: one merged gate/up projection, ``SiluAndMul`` on its halves."""
+    y = F.linear(x, wgu)
+    n = y.shape[-1] // 2
+    return res + F.linear(F.silu(y[..., :n]) * y[..., n:], wd)
+
+
+@pytest.mark.parametrize("lead,dtype", [((16,), H), ((2, 5), torch.float32)], ids=str)
+def test_merged_gate_up_is_one_program_reading_the_halves_in_place(lead, dtype):
+    x, wg, wu, wd = _mlp_args(lead, 128, 320, dtype)
+    res = torch.randn(*lead, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    wgu = torch.cat([wg, wu])
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(merged_swiglu, [x, wgu, wd, res], dtype)
+    want = merged_swiglu(*[a.double() for a in (x, wgu, wd, res)]).to(dtype)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    assert [k.name for k in ks] == [f"swiglu_mlp_{math.prod(lead)}x128x320x128_res"]
+    # one [2n, k] weight operand, the up rows read from row n: no copy of a half
+    prog = _program(ks[0].name)
+    assert [o.name for o in prog.operands if o.name.startswith("w")] == ["wgu", "wd"]
+    assert {s.offsets for s in prog.steps if getattr(s, "operand", None) == "wgu"} == {
+        (0, 0),
+        (320, 0),
+    }
+
+
+def test_eager_swiglu_of_row_halves_equals_the_copied_halves():
+    """``swiglu_mlp(x, w[:n], w[n:], wd)`` reads ``w`` in place (no re-lay of a
+    view), bit-equal to the program on separate copies."""
+    x, wg, wu, wd = (a.to("spyre") for a in _mlp_args((16,), 128, 320, H))
+    wgu = torch.cat([wg, wu])
+    with profile() as prof:
+        out = torch.ops.spyre.swiglu_mlp(x, wgu[:320], wgu[320:], wd)
+    assert [k.name for k in prof.kernels] == ["swiglu_mlp_16x128x320x128"]
+    assert prof.transfers == []
+    apart = torch.ops.spyre.swiglu_mlp(x, wgu[:320].clone(), wgu[320:].clone(), wd)
+    assert torch.equal(out.cpu(), apart.cpu())
+
+
 def test_swiglu_unfused_plan_keeps_the_matmuls_apart():
     args = _mlp_args((16,), 128, 256, H)
     out, ks, *_ = _run_compiled(swiglu, args, H, fusion=False)

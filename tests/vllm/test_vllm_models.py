@@ -2,9 +2,9 @@
 (mistral, gemma3's and gemma4's local layers), soft-capped logits (gemma2), mixtures of
 experts (mixtral, qwen3_moe: vLLM's FusedMoE on the card), the Granite 4
 hybrid (granitemoehybrid: Mamba-2 + attention + MoE, vLLM's hybrid KV cache
-with the Mamba state on the card: vllm_plugin/mamba.py), compiled, and
-DeepSeek-V3 (shared expert, latent attention expanded), eager, with greedy
-tokens equal to transformers on the CPU.
+with the Mamba state on the card: vllm_plugin/mamba.py) and DeepSeek-V3
+(shared expert, latent attention expanded, interleaved rotary), compiled
+(DeepSeek-V3 eager too), with greedy tokens equal to transformers on the CPU.
 
 fp32 on the card: these are tiny random models whose greedy choices are close
 calls, which 16-bit rounding flips (the same models in bf16 also serve; the
@@ -79,9 +79,8 @@ CONFIGS = {
 #: DeepSeek-V3 (MoE with a shared expert, sigmoid router with the correction
 #: bias: the real checkpoint's topk_method / scoring_func), its latent
 #: attention in the expanded multi-head form (the plugin sets
-#: VLLM_MLA_DISABLE: no MLA kernels on the card); eager: its interleaved
-#: rotary splits the stick dim into pairs, which does not compile yet
-#: (docs/compiler.md).
+#: VLLM_MLA_DISABLE: no MLA kernels on the card), its interleaved (GPT-J)
+#: rotary as a signed-permutation matmul (vllm_plugin/layers.py).
 def _deepseek_v3() -> transformers.PretrainedConfig:
     cfg = transformers.DeepseekV3Config(
         **{**COMMON, "head_dim": None, "num_key_value_heads": 4},
@@ -93,7 +92,7 @@ def _deepseek_v3() -> transformers.PretrainedConfig:
     return cfg
 
 
-EAGER_CONFIGS = {"deepseek_v3": _deepseek_v3}
+CONFIGS["deepseek_v3"] = _deepseek_v3
 
 
 def _serve_greedy(arch, tmp_path, hf_greedy, inspect=None, **llm_kwargs) -> None:
@@ -102,7 +101,7 @@ def _serve_greedy(arch, tmp_path, hf_greedy, inspect=None, **llm_kwargs) -> None
     from vllm import LLM, SamplingParams
 
     torch.manual_seed(0)
-    make = CONFIGS.get(arch) or EAGER_CONFIGS[arch]
+    make = CONFIGS[arch]
     ref = transformers.AutoModelForCausalLM.from_config(make()).eval()
     ref.save_pretrained(tmp_path)
     llm = LLM(

@@ -20,12 +20,8 @@ the card: counted as ``kernel``, never a host fallback):
 
 fuses what one kernel program does better than Inductor's groups:
 
-* ``mm(silu(x @ wg.T) * (x @ wu.T), wd.T)`` (a SwiGLU MLP) becomes
-  ``spyre::swiglu_mlp`` (``ops/mlp.py``): gate and up projections in one
-  program sharing the activation tile, their epilogue in LX and the down
-  projection fed from LX (skipped under ``planning(fusion=False)`` / naive);
-  a residual add of its output (``res + mlp``, ``res + mlp * c``) becomes
-  ``spyre::swiglu_mlp_add``, the add as the down projection's epilogue;
+* a SwiGLU MLP (separate or merged gate/up projections), with its residual
+  add, becomes one ``spyre::swiglu_mlp(_add)`` program (``mlp_fusion.py``);
 * scaled dot-product attention reaches the graph already as
   ``spyre::attention`` (``ops/attention.py``: registered before PyTorch's
   decomposition), one flash-attention program; its ``transpose(1, 2)
@@ -44,6 +40,10 @@ from __future__ import annotations
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
+
+from torch_spyre.compiler.fx_match import is_op as _is
+from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
+from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
 
 
 @torch.library.custom_op("spyre::embedding", mutates_args=())
@@ -165,11 +165,6 @@ _ROUTED = {
         (n.args[0], n.args[1], n.args[2], n.args[3] if len(n.args) > 3 else False),
     ),
 }
-
-
-def _on_spyre(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.device.type == "spyre"
 
 
 def _split_piece(p: torch.fx.Node):
@@ -339,8 +334,8 @@ def _last_dim(node: torch.fx.Node, dim) -> bool:
 
 
 def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
-    """``cat`` along the stick (last) dim of computed pieces, and
-    ``slice_scatter`` into it (``x[..., a:b].copy_(y)``): Inductor writes them
+    """``cat`` along the stick (last) dim of computed pieces, ``slice_scatter``
+    into it (``x[..., a:b].copy_(y)``) and ``constant_pad_nd`` of it: Inductor writes them
     as masked loads at shifted lanes, which no stick DMA can do.  Each piece
     is placed by a lane scatter on the PE array instead (``_lane_place``:
     ``x_i @ E_i`` with ``E_i`` [d_i, d] the 0/1 table putting its columns at
@@ -399,250 +394,29 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
                     total.meta["val"] = torch.where(
                         k_node.meta["val"], base.meta["val"], placed.meta["val"]
                     )
+        elif node.target is aten.constant_pad_nd.default:
+            # a pad of the last dim (DeepSeek's value heads padded to the
+            # query head size): the piece placed at its offset, the pad value
+            # added on the new lanes
+            x, pad = node.args[0], list(node.args[1])
+            value = node.args[2] if len(node.args) > 2 else 0
+            if len(pad) != 2 or min(pad) < 0 or not _last_dim(node, -1):
+                continue
+            if x.meta["val"].dtype != val.dtype or not isinstance(value, int | float):
+                continue
+            fake_mode = detect_fake_mode([val])
+            with gm.graph.inserting_before(node):
+                total = _lane_place(gm, x, val.shape[-1], pad[0], fake_mode)
+                if value:
+                    fill = torch.full((val.shape[-1],), float(value), dtype=val.dtype)
+                    fill[pad[0] : val.shape[-1] - pad[1]] = 0
+                    f_node = _constant(gm, "_spyre_pad_fill", fill, val, fake_mode)
+                    placed, total = total, gm.graph.call_function(aten.add.Tensor, (total, f_node))
+                    with fake_mode:
+                        total.meta["val"] = placed.meta["val"] + f_node.meta["val"]
         else:
             continue
         node.replace_all_uses_with(total)
-        gm.graph.erase_node(node)
-        changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-    return changed
-
-
-_VIEWS = ("reshape", "view", "_unsafe_view")
-
-
-def _is(node, *names: str) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and getattr(node.target, "__name__", "").split(".")[0] in names
-    )
-
-
-def _through_views(node, seen: list):
-    while _is(node, *_VIEWS, "convert_element_type"):
-        seen.append(node)
-        node = node.args[0]
-    return node
-
-
-def _silu_input(node, seen: list):
-    """x when ``node`` computes silu(x) (as aten.silu, x * sigmoid(x) or
-    Inductor's x / (1 + exp(-x))), modulo casts; else None."""
-    node = _through_views(node, seen)
-    if _is(node, "silu"):
-        seen.append(node)
-        return node.args[0]
-    if _is(node, "mul") and len(node.args) == 2:
-        a, b = node.args
-        for x, sg in ((a, b), (b, a)):
-            if _is(sg, "sigmoid") and sg.args[0] is x:
-                seen += [node, sg]
-                return x
-    if _is(node, "div") and len(node.args) == 2:
-        x, den = node.args
-        if _is(den, "add") and 1 in den.args:
-            e = next(a for a in den.args if a != 1)
-            if _is(e, "exp") and _is(e.args[0], "neg") and e.args[0].args[0] is x:
-                seen += [node, den, e, e.args[0]]
-                return x
-    return None
-
-
-def _linear_of(node, seen: list):
-    """(x, weight) when ``node`` is ``x @ weight.T`` (an mm with a permuted
-    2-D weight), modulo views and casts; else None."""
-    node = _through_views(node, seen)
-    if not _is(node, "mm"):
-        return None
-    x, wt = node.args
-    if not (_is(wt, "permute") and list(wt.args[1]) == [1, 0]):
-        return None
-    seen += [node, wt]
-    return x, wt.args[0]
-
-
-_EIGHT_BIT = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
-
-
-def _from_8bit(node, depth: int = 6) -> bool:
-    """Whether ``node`` is computed (within a few ops) from 8-bit data: a
-    quantised weight's dequantisation."""
-    todo, seen = [(node, 0)], set()
-    while todo:
-        n, d = todo.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or d > depth:
-            continue
-        seen.add(n)
-        val = n.meta.get("val")
-        if n is not node and isinstance(val, torch.Tensor) and val.dtype in _EIGHT_BIT:
-            return True
-        todo += [(a, d + 1) for a in n.all_input_nodes]
-    return False
-
-
-def _base(node):
-    while _is(node, *_VIEWS):
-        node = node.args[0]
-    return node
-
-
-def _fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
-    """``mm(silu(x @ wg.T) * (x @ wu.T), wd.T)`` -> ``spyre::swiglu_mlp``: one
-    program with both matmuls on the shared activation, the epilogue in LX
-    and the down projection fed from LX (``ops/mlp.py``)."""
-    from torch_spyre.compiler import options
-    from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp)
-
-    if not options.current().fuse:
-        return False
-    changed = False
-    for node in list(gm.graph.nodes):
-        res = None  # addmm(res, h, wd.T): what ``res + mlp`` of 2-D rows becomes
-        if _is(node, "addmm") and _on_spyre(node) and len(node.args) == 3 and not node.kwargs:
-            rv, ov = node.args[0].meta.get("val"), node.meta["val"]
-            if not isinstance(rv, torch.Tensor) or rv.shape != ov.shape or rv.dtype != ov.dtype:
-                continue
-            res = node.args[0]
-            wt = node.args[2]
-            if not (_is(wt, "permute") and list(wt.args[1]) == [1, 0]):
-                continue
-            down = (node.args[1], wt.args[0])
-        elif _is(node, "mm") and _on_spyre(node):
-            down = _linear_of(node, [])
-        else:
-            continue
-        seen: list = [node]
-        if down is None:
-            continue
-        h, wd = down
-        seen.append(node.args[-1])
-        prod = _through_views(h, seen)
-        if not _is(prod, "mul") or len(prod.args) != 2:
-            continue
-        seen.append(prod)
-        found = None
-        for a, b in (prod.args, prod.args[::-1]):
-            s2: list = []
-            g = _silu_input(a, s2)
-            gl = _linear_of(g, s2) if g is not None else None
-            ul = _linear_of(b, s2)
-            if gl and ul and _base(gl[0]) is _base(ul[0]):
-                found, seen = (gl, ul), seen + s2
-                break
-        if found is None:
-            continue
-        (xg, wg), (xu, wu) = found
-        if any(_from_8bit(w) for w in (wg, wu, wd)):
-            # quantised weights: three matmuls, each dequantising its weight in
-            # LX (compiler/matmuls.py); the MLP program reads 16-bit weights
-            continue
-        x = _base(xg)
-        xv, wv = x.meta.get("val"), [w.meta.get("val") for w in (wg, wu, wd)]
-        if not isinstance(xv, torch.Tensor) or any(not isinstance(w, torch.Tensor) for w in wv):
-            continue
-        k = xv.shape[-1]
-        if (
-            wv[0].shape != wv[1].shape
-            or wv[0].dim() != 2
-            or wv[0].shape[1] != k
-            or wv[2].shape[1] != wv[0].shape[0]
-            or len({xv.dtype, *(w.dtype for w in wv)}) != 1
-            or xv.dim() < 2
-        ):
-            continue
-        # every intermediate must be used only inside the pattern
-        inner = set(seen) - {node}
-        if any(u not in inner and u is not node for n in inner for u in n.users):
-            continue
-        oshape = (*xv.shape[:-1], wv[2].shape[0])
-        with gm.graph.inserting_before(node):
-            if res is None:
-                new = gm.graph.call_function(torch.ops.spyre.swiglu_mlp.default, (x, wg, wu, wd))
-            else:
-                r = gm.graph.call_function(torch.ops.aten.reshape.default, (res, list(oshape)))
-                new = gm.graph.call_function(
-                    torch.ops.spyre.swiglu_mlp_add.default, (x, wg, wu, wd, r, 1.0)
-                )
-            flat = gm.graph.call_function(
-                torch.ops.aten.reshape.default, (new, list(node.meta["val"].shape))
-            )
-        if res is None:
-            val = torch.ops.spyre.swiglu_mlp.default(xv, *wv)
-        else:
-            r.meta["val"] = res.meta["val"].reshape(oshape)
-            val = torch.ops.spyre.swiglu_mlp_add.default(xv, *wv, r.meta["val"], 1.0)
-        new.meta["val"] = val
-        flat.meta["val"] = val.reshape(node.meta["val"].shape)
-        node.replace_all_uses_with(flat)
-        gm.graph.erase_node(node)
-        changed = True
-    if changed:
-        gm.graph.eliminate_dead_code()
-    return changed
-
-
-def _fuse_swiglu_residual(gm: torch.fx.GraphModule) -> bool:
-    """``res + swiglu_mlp(...)`` and ``res + swiglu_mlp(...) * c`` (a decoder
-    layer's residual add, with Granite's residual multiplier) ->
-    ``spyre::swiglu_mlp_add``: the add is the down projection's epilogue, so
-    the MLP output never makes a separate pass through device memory."""
-    from torch_spyre.compiler import options
-    from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp_add)
-
-    if not options.current().fuse:
-        return False
-    changed = False
-    for node in list(gm.graph.nodes):
-        if not _is(node, "add") or len(node.args) != 2 or node.kwargs or not _on_spyre(node):
-            continue
-        found = None
-        for res, other in (node.args, node.args[::-1]):
-            scale, seen = 1.0, []
-            if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
-                c = [a for a in other.args if isinstance(a, (int, float))]
-                t = [a for a in other.args if isinstance(a, torch.fx.Node)]
-                if len(c) != 1 or len(t) != 1:
-                    continue
-                scale, seen = float(c[0]), [other]
-                other = t[0]
-            mlp_node = _through_views(other, seen)
-            if (
-                isinstance(res, torch.fx.Node)
-                and isinstance(mlp_node, torch.fx.Node)
-                and mlp_node.op == "call_function"
-                and mlp_node.target is torch.ops.spyre.swiglu_mlp.default
-            ):
-                found = (res, scale, mlp_node, seen)
-                break
-        if found is None:
-            continue
-        res, scale, mlp_node, seen = found
-        rv, ov, mv = res.meta.get("val"), node.meta.get("val"), mlp_node.meta.get("val")
-        if not all(isinstance(v, torch.Tensor) for v in (rv, ov, mv)):
-            continue
-        if rv.shape != ov.shape or rv.dtype != ov.dtype != mv.dtype or ov.numel() != mv.numel():
-            continue
-        if ov.dtype != mv.dtype:
-            continue
-        # the MLP output and the views between must feed only this add
-        inner = [mlp_node, *seen]
-        if any(u not in inner and u is not node for n in inner for u in n.users):
-            continue
-        with gm.graph.inserting_before(node):
-            r = gm.graph.call_function(torch.ops.aten.reshape.default, (res, list(mv.shape)))
-            new = gm.graph.call_function(
-                torch.ops.spyre.swiglu_mlp_add.default, (*mlp_node.args, r, scale)
-            )
-            flat = gm.graph.call_function(torch.ops.aten.reshape.default, (new, list(ov.shape)))
-        r.meta["val"] = rv.reshape(mv.shape)
-        val = torch.ops.spyre.swiglu_mlp_add.default(
-            *[a.meta["val"] for a in mlp_node.args], r.meta["val"], scale
-        )
-        new.meta["val"] = val
-        flat.meta["val"] = val.reshape(ov.shape)
-        node.replace_all_uses_with(flat)
         gm.graph.erase_node(node)
         changed = True
     if changed:
@@ -697,12 +471,38 @@ def _fuse_attention_transpose(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def _key(a):
+    if isinstance(a, list | tuple):
+        return tuple(_key(x) for x in a)
+    return a
+
+
+def _dedupe_lookups(gm: torch.fx.GraphModule) -> bool:
+    """One device lookup per distinct (table, indices): every decoder layer
+    gathers the same rotary cos/sin rows by the same positions, and each
+    lookup is its own DMA kernel (an opaque op Inductor does not CSE), so 30
+    layers launched 60 gathers for 2 results."""
+    lookups = {torch.ops.spyre.embedding.default, torch.ops.spyre.gather.default}
+    first: dict[tuple, torch.fx.Node] = {}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in lookups:
+            continue
+        key = (node.target, _key(node.args), _key(tuple(sorted(node.kwargs.items()))))
+        kept = first.setdefault(key, node)
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            gm.graph.erase_node(node)
+            changed = True
+    return changed
+
+
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
         changed = _rewrite_stick_cats(gm) or changed
-        changed = _fuse_swiglu(gm) or changed
-        changed = _fuse_swiglu_residual(gm) or changed
+        changed = fuse_swiglu(gm) or changed
+        changed = fuse_swiglu_residual(gm) or changed
         changed = _fuse_attention_transpose(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
@@ -718,6 +518,7 @@ class SpyreGraphPass(CustomGraphModulePass):
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             changed = True
+        changed = _dedupe_lookups(gm) or changed
         if changed:
             gm.graph.lint()
             gm.recompile()

@@ -341,11 +341,9 @@ def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool)
     pows = [1 << i for i in range(rest.bit_length()) if 1 << i <= rest]
     out = []
     for pm in pows:
-        for pn in pows:
-            for pk in pows:
-                if pm * pn * pk > rest or pm > m or pn > n_sticks or (held and pn > 1):
-                    continue
-                if pk > k_sticks:
+        for pn in _stick_splits(n_sticks, pows):
+            for pk in _stick_splits(k_sticks, pows):
+                if pm * pn * pk > rest or pm > m or (held and pn > 1):
                     continue
                 out += [((pm, pn, pk), True), ((pm, pn, pk), False)]
                 # rows in several dims (a [B, S, K] activation): the outer one
@@ -357,6 +355,17 @@ def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool)
                     if pm > 1 and sizes[d] >= pm:
                         out += [((pm, pn, pk, i), True), ((pm, pn, pk, i), False)]
     return out or [(None, True)]
+
+
+def _stick_splits(sticks: int, pows: list[int]) -> list[int]:
+    """Core counts to try for a dim of ``sticks`` whole sticks: the powers of
+    two, and the divisors of ``sticks`` (9 sticks over 8 cores leaves three
+    idle with 2 sticks each; over 9 or 3 every core gets an equal share, which
+    is what a decode projection of K or N = 576 needs to stream at the
+    memory roof)."""
+    top = pows[-1]
+    divisors = {d for d in range(3, min(sticks, top) + 1) if sticks % d == 0}
+    return sorted({p for p in pows if p <= sticks} | divisors)
 
 
 def _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of):

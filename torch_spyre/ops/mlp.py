@@ -72,6 +72,7 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     n, e = wg.shape[0], wd.shape[0]
     if wg.shape != (n, k) or wu.shape != (n, k) or wd.shape != (e, n) or x.numel() == 0:
         return None
+    wgu = _merged_halves(wg, wu)
     lead = tuple(x.shape[:-1])
     if len(lead) == 2:  # [B, S, K]: read in its own layout, no re-layout
         b, m, batched = lead[0], lead[1], True
@@ -80,12 +81,13 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
         b, m, batched = 1, max(1, x.numel() // k), False
         xx = operands.whole(x.reshape(m, k))
     dev = x.device
-    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched, scale)
+    merged = wgu is not None
+    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched, scale, merged)
 
     def build() -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
         p = kernels.best_swiglu_mlp(
-            b, m, k, n, e, x.dtype, batched=batched, residual=scale, config=cfg
+            b, m, k, n, e, x.dtype, batched=batched, residual=scale, config=cfg, merged=merged
         )
         return launch.Kernel(p)
 
@@ -98,8 +100,14 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     out = torch.empty((*lead, e), dtype=x.dtype, device=dev)
     bufs = {
         "x": operands.device_memory(xx),
-        "wg": operands.device_memory(operands.whole(wg)),
-        "wu": operands.device_memory(operands.whole(wu)),
+        **(
+            {"wgu": wgu}
+            if merged
+            else {
+                "wg": operands.device_memory(operands.whole(wg)),
+                "wu": operands.device_memory(operands.whole(wu)),
+            }
+        ),
         "wd": operands.device_memory(operands.whole(wd)),
         "out": operands.device_memory(out),
     }
@@ -109,3 +117,25 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     kern.launch_memory(dev.index or 0, bufs)
     dispatch_stats.record("kernel", "swiglu_mlp" if res is None else "swiglu_mlp_add")
     return out
+
+
+def _merged_halves(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor | None:
+    """The device memory of the ``[2n, k]`` weight whose row halves are ``wg`` and
+    ``wu`` (vLLM's merged ``gate_up_proj`` sliced in two), so that the program
+    reads both in place; None when they are not that (then each is its own
+    whole operand, re-laid if it is a view)."""
+    from torch_spyre.layout import SpyreTensorLayout
+    from torch_spyre.runtime import access
+
+    n, k = wg.shape
+    if (
+        wg.untyped_storage().data_ptr() != wu.untyped_storage().data_ptr()
+        or wg.storage_offset() != 0
+        or wu.storage_offset() != n * k
+        or not (wg.is_contiguous() and wu.is_contiguous())
+    ):
+        return None
+    lay = access.storage_layout(wg)
+    if lay != SpyreTensorLayout.default((2 * n, k), wg.dtype):
+        return None
+    return access.device_tensor(wg, lay)

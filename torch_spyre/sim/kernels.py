@@ -575,6 +575,7 @@ def swiglu_mlp(
     config: HardwareConfig | None = None,
     name: str | None = None,
     tb: int = 1,
+    merged: bool = False,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -605,6 +606,10 @@ def swiglu_mlp(
     ``tb``: batch elements per tile (a decode step's ``[B, 1, K]`` is B rows of
     one token: with ``tb`` > 1 every weight tile serves ``tb * tm`` rows instead
     of being streamed again for each batch element).
+
+    ``merged``: the gate and up weights are the two row halves of one
+    ``[2n, k]`` operand ``wgu`` (vLLM's merged ``gate_up_proj``), read in place
+    through row offsets.
 
     ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
     residual add of a decoder layer as the epilogue of the down projection
@@ -639,10 +644,13 @@ def swiglu_mlp(
     hi = ("b", "m", "n")
     db = double_buffer
     w_mc = pb * pm > 1
+    # merged: the up rows start n rows into the one gate/up operand
+    wg_op, wu_op = ("wgu", "wgu") if merged else ("wg", "wu")
+    wg_at, wu_at = ((0, 0), (n, 0)) if merged else ((), ())
     steps: list = [
         Load("xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
-        Load("wgt", "wg", ("n", "k"), l4, multicast=w_mc),
-        Load("wut", "wu", ("n", "k"), l4, multicast=w_mc),
+        Load("wgt", wg_op, ("n", "k"), l4, multicast=w_mc, offsets=wg_at),
+        Load("wut", wu_op, ("n", "k"), l4, multicast=w_mc, offsets=wu_at),
         Matmul("g", "xt", "wgt", l4),
         Matmul("u", "xt", "wut", l4),
         # k over cores: each holds a partial sum of the hidden block
@@ -712,8 +720,14 @@ def swiglu_mlp(
         raise ProgramError("swiglu_mlp: an unbatched x needs b == 1")
     operands = [
         Operand("x", SpyreTensorLayout.default(xs, dtype), "input"),
-        Operand("wg", SpyreTensorLayout.default((n, k), dtype), "input"),
-        Operand("wu", SpyreTensorLayout.default((n, k), dtype), "input"),
+        *(
+            [Operand("wgu", SpyreTensorLayout.default((2 * n, k), dtype), "input")]
+            if merged
+            else [
+                Operand("wg", SpyreTensorLayout.default((n, k), dtype), "input"),
+                Operand("wu", SpyreTensorLayout.default((n, k), dtype), "input"),
+            ]
+        ),
     ]
     if down:
         operands.append(Operand("wd", SpyreTensorLayout.default((e, n), dtype), "input"))
@@ -755,6 +769,7 @@ def best_swiglu_mlp(
     residual: float | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    merged: bool = False,
 ) -> Program:
     """The fused SwiGLU MLP program the timing model finds fastest: core
     splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)
@@ -771,10 +786,15 @@ def best_swiglu_mlp(
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
     n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
+    # and the divisors of the stick counts: 9 sticks over 8 cores leave three
+    # idle (2 sticks each), over 9 or 3 every core streams an equal share
+    npows = sorted({*pows, *(d for d in range(3, cfg.cores + 1) if n_sticks % d == 0)})
     kpows = pows if e == k else [1]  # a k split needs the output columns to be k
+    if e == k:
+        kpows = sorted({*kpows, *(d for d in range(3, cfg.cores + 1) if k_sticks % d == 0)})
     splits = [
         (pb, pm, pn, pk)
-        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, pows, kpows)
+        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, npows, kpows)
         if pb * pm * pn * pk <= cfg.cores
         and pb <= b
         and pm <= m
@@ -814,6 +834,7 @@ def best_swiglu_mlp(
             p = swiglu_mlp(
                 b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
                 batched=batched, residual=residual, config=cfg, name=name, tb=tb,
+                merged=merged,
             )  # fmt: skip
             try:
                 p.validate(cfg)

@@ -7,7 +7,7 @@ every process that builds a model instantiates these classes in place of vLLM's:
 |---|---|---|
 | RMSNorm | CustomOp.forward_oot | fp32 mean of squares, rsqrt, scale (+ fused residual add) |
 | SiluAndMul | CustomOp.forward_oot | silu(gate) * up |
-| RotaryEmbedding | CustomOp.forward_oot | cos/sin rows gathered by position, neox rotation |
+| RotaryEmbedding, DeepseekScalingRotaryEmbedding | CustomOp.forward_oot | cos/sin rows gathered by position; neox, GPT-J (interleaved) and partial rotations |
 | Replicated/Column/MergedColumn/QKV/RowParallelLinear | PluggableLayer | one matmul (F.linear) |
 | VocabParallelEmbedding, ParallelLMHead | PluggableLayer | embedding gather; the LM head matmul |
 | LogitsProcessor | PluggableLayer | the head, then the one device->host copy of the logits |
@@ -35,6 +35,9 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import (
+    DeepseekScalingRotaryEmbedding,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     UnquantizedEmbeddingMethod,
@@ -79,33 +82,75 @@ class SpyreSiluAndMul(SiluAndMul):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-class SpyreRotaryEmbedding(RotaryEmbedding):
-    def spyre_prepare(self) -> None:
-        """Register [max_pos, head_size] cos and sin tables (each half repeated:
-        neox) as buffers, so that they move to the card with the weights and a
-        compiled forward reads them as module buffers. Called by the runner."""
-        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
-        self.register_buffer("spyre_cos", torch.cat([cos, cos], dim=-1), persistent=False)
-        self.register_buffer("spyre_sin", torch.cat([sin, sin], dim=-1), persistent=False)
+class SpyreRotary:
+    """The card's rotary embedding, shared by vLLM's rotary classes whose
+    forward is ``x * cos + rotate(x) * sin`` over a ``cos_sin_cache`` of
+    [positions, rotary_dim] (cos half, then sin half)."""
 
-    def spyre_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lane_shuffle_free(self) -> bool:
+        """Neox style over the whole head: the rotation's lane shuffle is a
+        ``cat`` of two half-heads, which the compiler turns into a
+        signed-permutation matmul itself (compiler/passes.py)."""
+        return self.is_neox_style and self.rotary_dim == self.head_size
+
+    def spyre_prepare(self) -> None:
+        """Register [max_pos, head_size] cos and sin tables as buffers, so that
+        they move to the card with the weights and a compiled forward reads
+        them as module buffers. Called by the runner.
+
+        Neox over the whole head: each half repeated. Otherwise (GPT-J's
+        interleaved pairs, DeepSeek; a partial rotary dim) the rotation is
+        ``x * cos + (x @ P) * sin`` with P a [head_size, head_size] signed
+        permutation (exact: one nonzero term per output), cos and sin laid out
+        per lane, 1 and 0 on the lanes past the rotary dim: no strided lane
+        access (``x[..., ::2]`` would split a stick into pairs, which neither
+        the DMA engine nor the compiler does)."""
+        cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+        if self._lane_shuffle_free():
+            self.register_buffer("spyre_cos", torch.cat([cos, cos], dim=-1), persistent=False)
+            self.register_buffer("spyre_sin", torch.cat([sin, sin], dim=-1), persistent=False)
+            return
+        hd, r = self.head_size, self.rotary_dim
+        half = r // 2
+        pos = cos.shape[0]
+        full_cos = torch.ones(pos, hd, dtype=cos.dtype)
+        full_sin = torch.zeros(pos, hd, dtype=sin.dtype)
+        perm = torch.zeros(hd, hd, dtype=cos.dtype)
+        i = torch.arange(half)
+        if self.is_neox_style:
+            lo, hi = i, i + half  # lanes (j, j + r/2) rotate together
+            full_cos[:, :r], full_sin[:, :r] = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        else:
+            lo, hi = 2 * i, 2 * i + 1  # lanes (2j, 2j + 1)
+            full_cos[:, lo], full_cos[:, hi] = cos, cos
+            full_sin[:, lo], full_sin[:, hi] = sin, sin
+        # (x @ P)[lo] = -x[hi], (x @ P)[hi] = x[lo]
+        perm[hi, lo], perm[lo, hi] = -1.0, 1.0
+        self.register_buffer("spyre_cos", full_cos, persistent=False)
+        self.register_buffer("spyre_sin", full_sin, persistent=False)
+        self.register_buffer("spyre_perm", perm, persistent=False)
+
+    def spyre_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         if not hasattr(self, "spyre_cos"):
             self.spyre_prepare()
-        cos, sin = self.spyre_cos, self.spyre_sin
-        if cos.dtype != dtype:
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        return cos, sin
+        tables = [self.spyre_cos, self.spyre_sin]
+        if hasattr(self, "spyre_perm"):
+            tables.append(self.spyre_perm)
+        return tuple(t if t.dtype == dtype else t.to(dtype) for t in tables)
 
     def forward_oot(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.is_neox_style or self.rotary_dim != self.head_size:
-            # GPT-J interleaving / partial rotary: vLLM's reference formula.
-            return self.forward_native(positions, query, key)
-        cos_table, sin_table = self.spyre_tables(query.dtype)
+        if offsets is not None:
+            positions = positions + offsets
+        cos_table, sin_table, *perm = self.spyre_tables(query.dtype)
         # The tables (computed once on the host at load, moved with the weights)
         # gathered by position: two embedding lookups (DMA gathers, also inside a
-        # compiled graph) instead of sin/cos on the card.
+        # compiled graph, one pair for all layers) instead of sin/cos on the card.
         pos = positions.flatten()
         cos = F.embedding(pos, cos_table)[:, None, :]
         sin = F.embedding(pos, sin_table)[:, None, :]
@@ -113,6 +158,8 @@ class SpyreRotaryEmbedding(RotaryEmbedding):
         def rotate(x: torch.Tensor) -> torch.Tensor:
             shape = x.shape
             x = x.view(x.shape[0], -1, self.head_size)
+            if perm:
+                return (x * cos + torch.matmul(x, perm[0]) * sin).reshape(shape)
             # slices, not chunk: the compiler turns a cat of (negated) slices
             # (rotate_half) into a signed-permutation matmul (compiler/passes.py)
             half = self.head_size // 2
@@ -120,6 +167,15 @@ class SpyreRotaryEmbedding(RotaryEmbedding):
             return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).reshape(shape)
 
         return rotate(query), None if key is None else rotate(key)
+
+
+class SpyreRotaryEmbedding(SpyreRotary, RotaryEmbedding):
+    pass
+
+
+class SpyreDeepseekScalingRotaryEmbedding(SpyreRotary, DeepseekScalingRotaryEmbedding):
+    """DeepSeek's YaRN rotary (the real checkpoints' ``rope_scaling``): its own
+    cos/sin cache (mscale folded in), the same rotation."""
 
 
 class SpyreLinearMethod(UnquantizedLinearMethod):
@@ -212,6 +268,7 @@ CUSTOM_OPS: dict[str, type] = {
     "RMSNorm": SpyreRMSNorm,
     "SiluAndMul": SpyreSiluAndMul,
     "RotaryEmbedding": SpyreRotaryEmbedding,
+    "DeepseekScalingRotaryEmbedding": SpyreDeepseekScalingRotaryEmbedding,
 }
 
 

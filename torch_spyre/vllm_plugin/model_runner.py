@@ -61,10 +61,10 @@ class SpyreModelRunner(CPUModelRunner):
         _check_fits(self.vllm_config, _checkpoint_bytes(self.model_config))
         super().load_model(load_dummy_weights)
         _check_fits(self.vllm_config, sum(_device_bytes(p) for p in self.model.parameters()))
-        from torch_spyre.vllm_plugin.layers import SpyreEmbeddingMethod, SpyreRotaryEmbedding
+        from torch_spyre.vllm_plugin.layers import SpyreEmbeddingMethod, SpyreRotary
 
         for m in self.model.modules():
-            if isinstance(m, SpyreRotaryEmbedding):
+            if isinstance(m, SpyreRotary):
                 m.spyre_prepare()  # cos/sin tables as buffers, moved below
         before = torch.spyre.memory_allocated()
         t0 = time.perf_counter()
