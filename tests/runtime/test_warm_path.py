@@ -109,6 +109,17 @@ def test_cpp_kernels_registered_for_privateuse1(name):
     # the C++ kernels; on a miss each delegates to PyTorch's composite kernel,
     # whose out= redispatch reaches the Python fallback (test below)
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "PrivateUse1")
+    table = torch._C._dispatch_dump_table(f"aten::{name}")
+    entry = next(line for line in table.splitlines() if line.startswith("PrivateUse1:"))
+    assert "spyre.cpp" in entry
+
+
+def test_miss_delegates_to_what_spyre_had_before():
+    # a structured sibling with no kernel of ours shows what add & co had for
+    # PrivateUse1 before: PyTorch's composite kernel, which the C++ calls on a miss
+    table = torch._C._dispatch_dump_table("aten::atan2")
+    entry = next(line for line in table.splitlines() if line.startswith("PrivateUse1:"))
+    assert "CompositeExplicitAutogradNonFunctional" in entry
 
 
 def test_cold_call_runs_in_python_then_warm_calls_in_cpp():
@@ -454,3 +465,34 @@ def test_second_card(spyre_python):
     """
     proc = spyre_python(code, TORCH_SPYRE_NUM_CARDS="2")
     assert proc.stdout.split()[-1:] == ["ok"], proc.stderr
+
+
+def test_autograd_through_the_warm_path():
+    a0, b0 = _pair((64, 64), torch.float32, seed=3)
+
+    def seq():
+        a = a0.detach().requires_grad_()
+        b = b0.detach().requires_grad_()
+        y = (a * b + a) / b - b
+        y.sum().backward()
+        return [y.detach(), a.grad, b.grad]
+
+    _same(seq)
+
+
+def test_rebuilt_cards_get_their_launches():
+    from torch_spyre.sim import reset_cards
+
+    a, b = _pair((64, 64), torch.float16)
+    a + b
+    a + b
+    reset_cards()  # forgets the C++ entries: their times were the old cards'
+    try:
+        s0 = served()
+        a + b  # Python again, on the new card
+        assert served() == s0
+        a + b
+        assert served() == s0 + 1
+        assert cards.card(0).stats()["kernels"] == 2
+    finally:
+        reset_cards()

@@ -1028,7 +1028,6 @@ static double clock_s(int device) {
   return static_cast<double>(g_clock_ps[device].load()) * 1e-12;
 }
 
-
 // ------------------------------------------------- warm elementwise launches
 // A warm `a + b` on two small spyre tensors costs ~15 us through PyTorch's
 // composite add.Tensor (output allocation, add.out redispatched to our boxed
