@@ -182,6 +182,50 @@ class _Ready:
 #: spyre tensors and numbers (the bulk of a model's elementwise ops)
 _ready: dict[tuple, _Ready] = {}
 launch.on_clear(_ready.clear)
+launch.on_clear(_C._warm_clear)
+# a _Ready holds its card and that card's report: rebuilt cards need new ones
+sim_card.on_reset(_ready.clear)
+
+#: the out= overloads PyTorch's composite add/sub/mul/div.Tensor call, by the
+#: C++ warm path's op code (csrc/spyre.cpp, WarmOp), and the executor's form
+#: of each (sim/executor.py, _same_layout_elementwise) that the C++ repeats
+_WARM = {
+    "add.out": (0, "out"),
+    "sub.out": (1, "out"),
+    "mul.out": (2, "out"),
+    "div.out": (3, "upcast"),
+}
+
+
+def _record_warm(plan: _Plan, ready: _Ready, template: list, tensors: list) -> None:
+    """After the first launch of ``a op b`` (whole operands of one shape and
+    dtype, nothing else bound): let the C++ kernels of add/sub/mul/div.Tensor
+    serve the same call from now on, with this launch's modelled time."""
+    warm = _WARM.get(plan.name)
+    if (
+        warm is None
+        or ready.direct is None
+        or len(tensors) != 2
+        or len(template) != 2  # a scalar or keyword (alpha) is bound: Python serves it
+    ):
+        return
+    a, b = tensors
+    if (
+        a.dim() == 0
+        or a.shape != b.shape
+        or a.dtype != b.dtype
+        or ready.shape != tuple(a.shape)
+        or ready.dtype != a.dtype
+        or getattr(ready.direct[2], "form", None) != warm[1]
+    ):
+        return
+    code, form = warm
+    rep = ready.direct[1]
+    _C._warm_put(
+        code, a.device.index, a.dtype, list(a.shape), rep.time_s, form == "upcast", plan.name
+    )
+
+
 _NUMBERS = (int, float, bool)
 
 
@@ -294,6 +338,7 @@ def run(op, args: tuple, kwargs: dict) -> Any:
         _ready[sig] = ready = _Ready(k, slots, out_kw, out_pos, shape, dtype, device)
         out = _launch_ready(ready, call_args, call_kwargs)
         if out is not None:
+            _record_warm(plan, ready, template, tensors)
             return out
     bind = {name: operands.memory(t) for name, t in zip(_IN_NAMES, tensors)}
     # out may alias an input: the executor loads every input before it stores

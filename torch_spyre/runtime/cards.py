@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from torch_spyre import _C, layout
-from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card
+from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card, timing_only_active, trace
+from torch_spyre.sim import card as sim_card
 from torch_spyre.sim.hostviews import VIEWS
 
 MAX_CARDS = 8
@@ -38,6 +39,39 @@ def init() -> None:
     # the executor keeps host-layout views of device blocks (sim/hostviews.py)
     VIEWS.bind(_C._block_of, device_bytes_in_use)
     layout.fast_copy = _C._stick_copy
+    # the C++ warm launch path (csrc/spyre.cpp) accounts its launches in C++;
+    # the cards replay them before anything reads their clocks
+    sim_card.bind_launches(_C._warm_drain)
+    sim_card.on_reset(_C._warm_clear)  # its entries hold the old cards' modelled times
+    sim_card.watch(_update_warm_path)
+    _update_warm_path()
+
+
+#: TORCH_SPYRE_WARM_PATH=0 turns the C++ warm launch path off (every launch in Python)
+_warm_switch = os.environ.get("TORCH_SPYRE_WARM_PATH", "1").strip().lower() not in (
+    "0",
+    "off",
+    "false",
+)
+
+
+def warm_path(on: bool | None = None) -> bool:
+    """Whether eager ``add``/``sub``/``mul``/``div`` calls the Python path has
+    launched before may be served by the C++ warm path; ``on`` sets it.
+    Returns the setting before the call.  The figures are the same either way
+    (values, modelled clock, counters); off is for comparisons and debugging."""
+    global _warm_switch
+    before = _warm_switch
+    if on is not None:
+        _warm_switch = bool(on)
+        _update_warm_path()
+    return before
+
+
+def _update_warm_path() -> None:
+    # the warm path emits no trace records and always executes: it stands
+    # aside while anyone listens and in timing-only runs
+    _C._warm_allow(_warm_switch and not timing_only_active() and not trace.listening())
 
 
 def device_bytes_in_use() -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -54,11 +54,55 @@ def timing_only() -> Iterator[None]:
     global _timing_only_depth, _timing_only
     _timing_only_depth += 1
     _timing_only = True
+    _notify()
     try:
         yield
     finally:
         _timing_only_depth -= 1
         _timing_only = _timing_only_depth > 0 or _timing_only_env
+        _notify()
+
+
+#: told when timing-only runs or trace listening may have changed (``watch``)
+_watchers: list[Callable[[], None]] = []
+
+
+def _notify() -> None:
+    for fn in _watchers:
+        fn()
+
+
+def watch(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever ``timing_only_active()`` or ``trace.listening()``
+    may have changed: a launch path that neither executes through the card nor
+    emits records (the runtime's C++ warm path) must then stand aside."""
+    _watchers.append(fn)
+    trace.watch(fn)
+
+
+#: ``drain(index, clock_s, kernel_time_s)``: launches that the runtime accounted
+#: outside Python on card ``index`` since the last call, replayed in order onto
+#: the given clock and kernel time: None, or (clock_s, kernel_time_s, kernels)
+Drain = Callable[[int, float, float], tuple[float, float, int] | None]
+_drain: Drain | None = None
+#: told when the cards are rebuilt (``reset_cards``: modelled times may change)
+_on_reset: list[Callable[[], None]] = []
+
+
+def on_reset(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after ``reset_cards`` (state kept per card must go)."""
+    _on_reset.append(fn)
+
+
+def bind_launches(drain: Drain) -> None:
+    """Connect the process's cards to launches accounted outside Python (the
+    runtime does it): each card replays them (``drain``) before its clock or
+    counters are read or moved, so they are the same additions in the same
+    order as if ``account`` had made them."""
+    global _drain
+    _drain = drain
+    for card in list(_cards.values()):
+        card._drain = drain
 
 
 @dataclass
@@ -84,14 +128,34 @@ class SimulatedCard:
             raise ValueError(f"card index must be 0..{MAX_CARDS - 1}, got {index}")
         self.index = index
         self.config = config or HardwareConfig.from_env()
-        self.clock_s = 0.0
+        self._clock_s = 0.0
         self._stats = CardStats()
         self._lock = threading.Lock()
+        #: set on the process's cards (``get_card``) once launches can be
+        #: accounted outside Python (``bind_launches``)
+        self._drain: Drain | None = None
         # timing depends only on (program, config): cache it per program
         self._reports: dict[str, KernelReport] = {}
 
     def __repr__(self) -> str:
         return f"SimulatedCard(index={self.index}, clock_s={self.clock_s:.6g})"
+
+    @property
+    def clock_s(self) -> float:
+        """The modelled clock (seconds)."""
+        if self._drain is not None:
+            with self._lock:
+                self._sync()
+        return self._clock_s
+
+    def _sync(self) -> None:
+        """Add the launches accounted outside Python (caller holds ``_lock``)."""
+        if self._drain is None:
+            return
+        got = self._drain(self.index, self._clock_s, self._stats.kernel_time_s)
+        if got is not None:
+            self._clock_s, self._stats.kernel_time_s, n = got
+            self._stats.kernels += n
 
     # ------------------------------------------------------------ kernels
     def estimate(self, program: Program | GroupedProgram) -> KernelReport:
@@ -135,8 +199,9 @@ class SimulatedCard:
         """Advance the clock and the counters by one launch of ``rep``'s kernel
         (``run`` without the execution: for callers that executed it themselves)."""
         with self._lock:
-            start = self.clock_s
-            self.clock_s += rep.time_s
+            self._sync()
+            start = self._clock_s
+            self._clock_s += rep.time_s
             self._stats.kernels += 1
             self._stats.kernel_time_s += rep.time_s
         if trace.listening():
@@ -159,8 +224,9 @@ class SimulatedCard:
             raise ValueError(f"transfer of {nbytes} bytes")
         t = self.transfer_time(kind, int(nbytes))
         with self._lock:
-            start = self.clock_s
-            self.clock_s += t
+            self._sync()
+            start = self._clock_s
+            self._clock_s += t
             st = self._stats
             st.transfers[kind] += 1
             st.transfer_bytes[kind] += int(nbytes)
@@ -179,9 +245,11 @@ class SimulatedCard:
         if nbytes < 0 or time_s < 0:
             raise ValueError(f"collective {op}: {nbytes} bytes in {time_s} s")
         with self._lock:
-            start = max(self.clock_s, self.clock_s if start_s is None else start_s)
-            wait = start - self.clock_s
-            self.clock_s = start + time_s
+            self._sync()
+            now = self._clock_s
+            start = max(now, now if start_s is None else start_s)
+            wait = start - now
+            self._clock_s = start + time_s
             st = self._stats
             st.collectives += 1
             st.collective_bytes += int(nbytes)
@@ -193,10 +261,12 @@ class SimulatedCard:
 
     # -------------------------------------------------------------- stats
     def stats(self) -> dict:
+        with self._lock:
+            self._sync()
         st = self._stats
         return {
             "card": self.index,
-            "clock_s": self.clock_s,
+            "clock_s": self._clock_s,
             "kernels": st.kernels,
             "kernel_time_s": st.kernel_time_s,
             "transfers": dict(st.transfers),
@@ -211,7 +281,8 @@ class SimulatedCard:
     def reset(self) -> None:
         """Zero the clock and the counters (the config stays)."""
         with self._lock:
-            self.clock_s = 0.0
+            self._sync()  # launches before the reset are not counted after it
+            self._clock_s = 0.0
             self._stats = CardStats()
 
 
@@ -230,6 +301,7 @@ def get_card(index: int = 0) -> SimulatedCard:
         card = _cards.get(index)
         if card is None:
             card = _cards[index] = SimulatedCard(index, _override or HardwareConfig.from_env())
+            card._drain = _drain
         return card
 
 
@@ -244,5 +316,10 @@ def reset_cards(config: HardwareConfig | None = None) -> None:
     """
     global _override
     with _cards_lock:
+        for card in _cards.values():  # their launches stay theirs
+            with card._lock:
+                card._sync()
         _cards.clear()
         _override = config
+    for fn in _on_reset:
+        fn()

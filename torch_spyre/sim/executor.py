@@ -669,6 +669,8 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
             finally:
                 written(out)
 
+        # what the runtime's C++ warm path must compute to match (csrc/spyre.cpp)
+        run_into.form = "out"  # type: ignore[attr-defined]
         return run_into
 
     def run(buffers: Buffers) -> None:
@@ -682,4 +684,5 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         finally:
             written(out)
 
+    run.form = "upcast" if upcast else "plain"  # type: ignore[attr-defined]
     return run

@@ -60,15 +60,27 @@ Record = KernelRecord | TransferRecord
 Listener = Callable[[Record], None]
 
 _listeners: list[Listener] = []
+#: told when listening() may have changed (a fast path that emits no records
+#: must stand aside while anyone listens)
+_watchers: list[Callable[[], None]] = []
 
 
 def add_listener(fn: Listener) -> None:
     _listeners.append(fn)
+    for watch in _watchers:
+        watch()
 
 
 def remove_listener(fn: Listener) -> None:
     if fn in _listeners:
         _listeners.remove(fn)
+    for watch in _watchers:
+        watch()
+
+
+def watch(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever a listener is added or removed."""
+    _watchers.append(fn)
 
 
 def listening() -> bool:
