@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_spyre.compiler.planner import _stick_splits
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
+from torch_spyre.sim.kernels import stick_splits
 from torch_spyre.testing import tolerances
 
 H = torch.float16
@@ -100,10 +100,10 @@ def test_interleaved_rotation_as_a_permutation_matmul_compiles():
 
 
 def test_stick_counts_split_evenly_over_their_divisors():
-    pows = [1, 2, 4, 8, 16, 32]
-    assert _stick_splits(9, pows) == [1, 2, 3, 4, 8, 9]
-    assert _stick_splits(24, pows) == [1, 2, 3, 4, 6, 8, 12, 16, 24]
-    assert _stick_splits(64, pows) == pows
+    assert stick_splits(9, 32) == [1, 2, 3, 4, 8, 9]
+    assert stick_splits(24, 32) == [1, 2, 3, 4, 6, 8, 12, 16, 24]
+    assert stick_splits(64, 32) == [1, 2, 4, 8, 16, 32]
+    assert stick_splits(24, 8) == [1, 2, 3, 4, 6, 8]
 
 
 def test_a_576_projection_streams_on_27_cores():

@@ -36,6 +36,7 @@ from torch_spyre.sim import (
     Vector,
     estimate,
 )
+from torch_spyre.sim.kernels import stick_splits
 from torch_spyre.sim.program import step_reads, step_writes
 
 
@@ -341,8 +342,8 @@ def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool)
     pows = [1 << i for i in range(rest.bit_length()) if 1 << i <= rest]
     out = []
     for pm in pows:
-        for pn in _stick_splits(n_sticks, pows):
-            for pk in _stick_splits(k_sticks, pows):
+        for pn in stick_splits(n_sticks, rest):
+            for pk in stick_splits(k_sticks, rest):
                 if pm * pn * pk > rest or pm > m or (held and pn > 1):
                     continue
                 out += [((pm, pn, pk), True), ((pm, pn, pk), False)]
@@ -355,17 +356,6 @@ def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool)
                     if pm > 1 and sizes[d] >= pm:
                         out += [((pm, pn, pk, i), True), ((pm, pn, pk, i), False)]
     return out or [(None, True)]
-
-
-def _stick_splits(sticks: int, pows: list[int]) -> list[int]:
-    """Core counts to try for a dim of ``sticks`` whole sticks: the powers of
-    two, and the divisors of ``sticks`` (9 sticks over 8 cores leaves three
-    idle with 2 sticks each; over 9 or 3 every core gets an equal share, which
-    is what a decode projection of K or N = 576 needs to stream at the
-    memory roof)."""
-    top = pows[-1]
-    divisors = {d for d in range(3, min(sticks, top) + 1) if sticks % d == 0}
-    return sorted({p for p in pows if p <= sticks} | divisors)
 
 
 def _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of):

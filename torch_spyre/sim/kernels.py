@@ -757,6 +757,16 @@ def swiglu_mlp(
     )
 
 
+def stick_splits(sticks: int, limit: int) -> list[int]:
+    """Core counts to try for a dim of ``sticks`` whole sticks on at most
+    ``limit`` cores: the powers of two, and the divisors of ``sticks`` (9
+    sticks over 8 cores leave three idle with 2 sticks each; over 9 or 3 every
+    core streams an equal share, which is what a decode projection of K or
+    N = 576 needs to reach the memory roof)."""
+    pows = {1 << i for i in range(limit.bit_length()) if 1 << i <= min(sticks, limit)}
+    return sorted(pows | {d for d in range(3, min(sticks, limit) + 1) if sticks % d == 0})
+
+
 def best_swiglu_mlp(
     b: int,
     m: int,
@@ -786,12 +796,9 @@ def best_swiglu_mlp(
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
     n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
-    # and the divisors of the stick counts: 9 sticks over 8 cores leave three
-    # idle (2 sticks each), over 9 or 3 every core streams an equal share
-    npows = sorted({*pows, *(d for d in range(3, cfg.cores + 1) if n_sticks % d == 0)})
-    kpows = pows if e == k else [1]  # a k split needs the output columns to be k
-    if e == k:
-        kpows = sorted({*kpows, *(d for d in range(3, cfg.cores + 1) if k_sticks % d == 0)})
+    npows = stick_splits(n_sticks, cfg.cores)
+    # a k split needs the output columns to be k
+    kpows = stick_splits(k_sticks, cfg.cores) if e == k else [1]
     splits = [
         (pb, pm, pn, pk)
         for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, npows, kpows)
