@@ -1,0 +1,313 @@
+"""The SwiGLU MLP as one kernel program (``swiglu_mlp``) and the split and
+tiles the timing model finds fastest for it (``best_swiglu_mlp``); re-exported
+by ``sim.kernels``.  Used by the eager and compiled MLP op (``ops/mlp.py``) and
+the grouped experts of a mixture of experts (``sim/moe.py``)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.sim.program import (
+    Buffer,
+    Dim,
+    Load,
+    Matmul,
+    Operand,
+    Program,
+    ProgramError,
+    RingAllReduce,
+    Store,
+    Vector,
+)
+
+
+def swiglu_mlp(
+    b: int,
+    m: int,
+    k: int,
+    n: int,
+    e: int | None,
+    dtype: torch.dtype = torch.float16,
+    *,
+    split: tuple[int, int, int] | None = None,
+    tiles: tuple[int, int, int] | None = None,
+    double_buffer: bool = True,
+    batched: bool = True,
+    residual: float | None = None,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+    tb: int = 1,
+    merged: bool = False,
+) -> Program:
+    """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
+
+    Two matmuls share the activation tile (loaded once per core, whole k):
+    per column block of ``tn`` hidden units the gate and up weight tiles
+    stream through the LX (k tiles of ``tk``) into two fp32 accumulators;
+    ``silu(g) * u`` runs on the vector units in LX, and the down projection
+    consumes that hidden tile at once (``out += h @ wd[:, block]^T``,
+    accumulated over the blocks), so the hidden activation never reaches
+    device memory.  Weight tiles shared by the cores splitting rows are read
+    once per group and multicast over the ring; with the hidden dim split over
+    cores the partial outputs are combined by a ring all-reduce.  ``e=None``:
+    no down projection (the output is the hidden activation).
+
+    ``k`` over cores (``split``'s 4th entry, ``E == K`` only): each core holds
+    a band of k sticks of the activation, gate and up weights (``wg``/``wu``
+    are ``[N, K]`` with K the stick dim, so a hidden-dim slice of them spans
+    the whole tensor in device memory while a k band is contiguous: this is
+    what keeps a core inside its 256 MiB span when the weights are larger);
+    the gate and up partial sums of each hidden block are combined by a ring
+    all-reduce before ``silu(g) * u``, and the down projection then writes
+    the same k band of the output columns (``wd``'s hidden slice of that band),
+    so the activation and the output accumulator in LX shrink by the split too.
+
+    Operands (nn.Linear weights): ``x`` [b, m, k] (``batched=False``:
+    [m, k]), ``wg``, ``wu`` [n, k], ``wd`` [e, n], ``out`` [b, m, e or n].
+    ``split``: cores over (b, m, n) or (b, m, n, k); ``tiles``: (tm, tn, tk);
+    ``tb``: batch elements per tile (a decode step's ``[B, 1, K]`` is B rows of
+    one token: with ``tb`` > 1 every weight tile serves ``tb * tm`` rows instead
+    of being streamed again for each batch element).
+
+    ``merged``: the gate and up weights are the two row halves of one
+    ``[2n, k]`` operand ``wgu`` (vLLM's merged ``gate_up_proj``), read in place
+    through row offsets.
+
+    ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
+    residual add of a decoder layer as the epilogue of the down projection
+    (operand ``res``, shaped like ``out``, loaded per row block next to the
+    output accumulator; one rounding on the store).
+    """
+    cfg = config or HardwareConfig()
+    pb, pm, pn, pk = (*split, 1)[:4] if split is not None else (1, min(m, cfg.cores), 1, 1)
+    se = stick_elems(dtype)
+    en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
+    pn = ceil_div(n, en)
+    ek = ceil_div(ceil_div(k, se), pk) * se if pk > 1 else k
+    pk = ceil_div(k, ek)
+    em = ceil_div(m, pm)
+    tm, tn, tk = tiles if tiles is not None else (em, min(en, 64), min(ek, 512))
+    acc = torch.float32 if dtype.is_floating_point else torch.int32
+    down = e is not None
+    if pk > 1 and e != k:
+        # the k band of the output exists only when the output columns are k
+        raise ProgramError("swiglu_mlp: a k split needs the down projection with E == K")
+    dims = [
+        Dim("b", b, pb, tb),
+        Dim("m", m, pm, tm),
+        Dim("n", n, pn, tn, chunk=en if pn > 1 else None),
+        Dim("k", k, pk, tk, chunk=ek if pk > 1 else None),
+    ]
+    if down and e != k:
+        dims.append(Dim("e", e, 1))
+    l2, l3, l4 = ("b", "m"), ("b", "m", "n"), ("b", "m", "n", "k")
+    xi = ("b", "m", "k") if batched else ("m", "k")
+    xb = ("b", "m", "k")
+    hi = ("b", "m", "n")
+    db = double_buffer
+    w_mc = pb * pm > 1
+    # merged: the up rows start n rows into the one gate/up operand
+    wg_op, wu_op = ("wgu", "wgu") if merged else ("wg", "wu")
+    wg_at, wu_at = ((0, 0), (n, 0)) if merged else ((), ())
+    steps: list = [
+        Load("xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
+        Load("wgt", wg_op, ("n", "k"), l4, multicast=w_mc, offsets=wg_at),
+        Load("wut", wu_op, ("n", "k"), l4, multicast=w_mc, offsets=wu_at),
+        Matmul("g", "xt", "wgt", l4),
+        Matmul("u", "xt", "wut", l4),
+        # k over cores: each holds a partial sum of the hidden block
+        *(
+            [RingAllReduce("g", "k", "sum", l3), RingAllReduce("u", "k", "sum", l3)]
+            if pk > 1
+            else []
+        ),
+        Vector("silu", "g", ("g",), (), l3),
+        Vector("mul", "h", ("g", "u"), (), l3),
+    ]
+    x_dims = xb if batched else ("m", "k")
+    buffers = [
+        # one activation block per core is loaded once: no second copy
+        Buffer("xt", x_dims, dtype, db and (tm < em or tb < ceil_div(b, pb))),
+        Buffer("wgt", ("n", "k"), dtype, db),
+        Buffer("wut", ("n", "k"), dtype, db),
+        Buffer("g", hi if batched else ("m", "n"), acc),
+        Buffer("u", hi if batched else ("m", "n"), acc),
+        Buffer("h", hi if batched else ("m", "n"), dtype, db and not down),
+    ]
+    rows = ("b", "m") if batched else ("m",)
+    if down and e == k:
+        # the output columns walk the k loop again (E == K in a transformer
+        # MLP): a second k loop in the same hidden block streams wd in
+        # [tk, tn] tiles into the resident output accumulator y[rows, E]
+        steps += [
+            Load("wdt", "wd", ("k", "n"), l4, multicast=w_mc),
+            Matmul("y", "h", "wdt", l4),
+        ]
+        buffers += [Buffer("wdt", ("k", "n"), dtype, db), Buffer("y", (*rows, "k"), acc)]
+        if pn > 1:
+            steps.append(RingAllReduce("y", "n", "sum", l2))
+        steps.append(Store("out", "y", (*rows, "k"), l2))
+    elif down:
+        steps += [
+            Load("wdt", "wd", ("e", "n"), l3, multicast=w_mc),
+            Matmul("y", "h", "wdt", l3),
+        ]
+        buffers += [Buffer("wdt", ("e", "n"), dtype, db), Buffer("y", (*rows, "e"), acc)]
+        if pn > 1:
+            steps.append(RingAllReduce("y", "n", "sum", l2))
+        steps.append(Store("out", "y", (*rows, "e"), l2))
+    else:
+        steps.append(Store("out", "h", (*rows, "n"), l3))
+    if residual is not None:
+        if not down:
+            raise ProgramError("swiglu_mlp: a residual needs the down projection")
+        ecol = "k" if e == k else "e"
+        # E == K: the activation tile is dead once the hidden blocks are
+        # done, and the residual tile has its dims: load it into that LX
+        rt = "xt" if ecol == "k" and batched else "rt"
+        store = steps.pop()
+        steps += [
+            # the cores splitting the hidden dim all add the same rows: read
+            # once per group and shared over the ring, like the activation
+            Load(rt, "res", (*rows, ecol), l2, multicast=pn > 1),
+            Vector("mul_scalar", "y", ("y",), (float(residual),), l2),
+            Vector("add", "y", ("y", rt), (), l2),
+            store,
+        ]
+        if rt == "rt":
+            buffers.append(Buffer("rt", (*rows, ecol), dtype))
+    xs = (b, m, k) if batched else (m, k)
+    outs = (b, m, e if down else n) if batched else (m, e if down else n)
+    if not batched and b != 1:
+        raise ProgramError("swiglu_mlp: an unbatched x needs b == 1")
+    operands = [
+        Operand("x", SpyreTensorLayout.default(xs, dtype), "input"),
+        *(
+            [Operand("wgu", SpyreTensorLayout.default((2 * n, k), dtype), "input")]
+            if merged
+            else [
+                Operand("wg", SpyreTensorLayout.default((n, k), dtype), "input"),
+                Operand("wu", SpyreTensorLayout.default((n, k), dtype), "input"),
+            ]
+        ),
+    ]
+    if down:
+        operands.append(Operand("wd", SpyreTensorLayout.default((e, n), dtype), "input"))
+    if residual is not None:
+        operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
+    operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
+    if not batched:
+        # an unbatched program has no b dim in its buffers: drop it
+        dims = [d for d in dims if d.name != "b"]
+        loops = tuple(x for x in l4 if x != "b")
+        steps = [
+            type(s)(**{**s.__dict__, "loops": tuple(x for x in s.loops if x != "b")}) for s in steps
+        ]
+        order = loops
+    else:
+        order = l4
+    return Program(
+        name=name
+        or f"swiglu_mlp_{b * m}x{k}x{n}"
+        + (f"x{e}" if down else "")
+        + ("_res" if residual is not None else ""),
+        dims=tuple(dims),
+        operands=tuple(operands),
+        buffers=tuple(buffers),
+        steps=tuple(steps),
+        loop_order=order,
+    )
+
+
+def best_swiglu_mlp(
+    b: int,
+    m: int,
+    k: int,
+    n: int,
+    e: int | None,
+    dtype: torch.dtype = torch.float16,
+    *,
+    batched: bool = True,
+    residual: float | None = None,
+    config: HardwareConfig | None = None,
+    name: str | None = None,
+    merged: bool = False,
+) -> Program:
+    """The fused SwiGLU MLP program the timing model finds fastest: core
+    splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)
+    that fit the LX and a core's address span.
+
+    k over cores is what plans weights whose hidden slices span more than a
+    core's 256 MiB (Llama-3.1-70B: 8192 x 28672, 14336 per card at TP 2);
+    a batch tile of the whole per-core batch lets a decode step's weight
+    tiles serve all its requests at once."""
+    from torch_spyre.sim.kernels import stick_splits
+    from torch_spyre.sim.timing import estimate
+
+    cfg = config or HardwareConfig()
+    se = stick_elems(dtype)
+    pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
+    best: tuple[float, Program] | None = None
+    n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
+    npows = stick_splits(n_sticks, cfg.cores)
+    # a k split needs the output columns to be k
+    kpows = stick_splits(k_sticks, cfg.cores) if e == k else [1]
+    splits = [
+        (pb, pm, pn, pk)
+        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, npows, kpows)
+        if pb * pm * pn * pk <= cfg.cores
+        and pb <= b
+        and pm <= m
+        and pn <= n_sticks
+        and pk <= k_sticks
+    ]
+    busy = [
+        s
+        for s in splits
+        # not one that leaves half the card idle although there is work to split
+        if not (
+            math.prod(s) < cfg.cores // 2
+            and (s[0] < b or s[1] < m or s[2] < n_sticks or s[3] < k_sticks)
+        )
+    ]
+    # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
+    planned: set[tuple[int, ...]] = set()
+    for pb, pm, pn, pk in busy or splits:
+        em = ceil_div(m, pm)
+        en = ceil_div(n_sticks, pn) * se if pn > 1 else n
+        ek = ceil_div(k_sticks, pk) * se if pk > 1 else k
+        eb = ceil_div(b, pb)
+        # splits whose whole-stick chunks come out the same are one plan
+        if (eb, em, en, ek) in planned:
+            continue
+        planned.add((eb, em, en, ek))
+        tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})
+        tbs = sorted({1, eb}) if batched else [1]
+        # tiles clamped to the core's extents, each distinct one planned once
+        tiles = sorted(
+            {
+                (tb, tm, min(tn, en), min(tk, ek))
+                for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
+            }
+        )
+        for tb, tm, tn, tk in tiles:
+            p = swiglu_mlp(
+                b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
+                batched=batched, residual=residual, config=cfg, name=name, tb=tb,
+                merged=merged,
+            )  # fmt: skip
+            try:
+                p.validate(cfg)
+            except ProgramError:
+                continue
+            t = estimate(p, cfg).time_s
+            if best is None or t < best[0] - 1e-12:
+                best = (t, p)
+    if best is None:
+        raise ProgramError(f"fused SwiGLU MLP {b * m}x{k}x{n}: no plan fits the card")
+    return best[1]
