@@ -72,7 +72,7 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     n, e = wg.shape[0], wd.shape[0]
     if wg.shape != (n, k) or wu.shape != (n, k) or wd.shape != (e, n) or x.numel() == 0:
         return None
-    wgu = _merged_halves(wg, wu)
+    wgu = _merged_weight(wg, wu)
     lead = tuple(x.shape[:-1])
     if len(lead) == 2:  # [B, S, K]: read in its own layout, no re-layout
         b, m, batched = lead[0], lead[1], True
@@ -119,7 +119,7 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
     return out
 
 
-def _merged_halves(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor | None:
+def _merged_weight(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor | None:
     """The device memory of the ``[2n, k]`` weight whose row halves are ``wg`` and
     ``wu`` (vLLM's merged ``gate_up_proj`` sliced in two), so that the program
     reads both in place; None when they are not that (then each is its own

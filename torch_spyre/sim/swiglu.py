@@ -254,12 +254,12 @@ def best_swiglu_mlp(
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
     best: tuple[float, Program] | None = None
     n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
-    npows = stick_splits(n_sticks, cfg.cores)
+    n_splits = stick_splits(n_sticks, cfg.cores)
     # a k split needs the output columns to be k
-    kpows = stick_splits(k_sticks, cfg.cores) if e == k else [1]
+    k_splits = stick_splits(k_sticks, cfg.cores) if e == k else [1]
     splits = [
         (pb, pm, pn, pk)
-        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, npows, kpows)
+        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, n_splits, k_splits)
         if pb * pm * pn * pk <= cfg.cores
         and pb <= b
         and pm <= m
