@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
-SOURCES = ["torch_spyre/csrc/spyre.cpp"]
+SOURCES = ["torch_spyre/csrc/spyre.cpp", "torch_spyre/csrc/gemm.cpp"]
 COMPILE_ARGS = ["-O2", "-std=c++17", "-Wno-unused-parameter"]
 
 

@@ -28,6 +28,7 @@ import torch
 from torch_spyre import dl16
 from torch_spyre import layout as layout_mod
 from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.sim import direct
 from torch_spyre.sim import ops as ops_mod
 from torch_spyre.sim.hostviews import VIEWS
 from torch_spyre.sim.program import (
@@ -146,8 +147,20 @@ def _compile(program: Program) -> Runner:
     steps: list[Callable[[Buffers, dict], None]] = []
     dims: dict[str, tuple[str, ...]] = {}  # env buffer -> its axes, as the steps leave it
     presplit = _presplit(program)
+    # matmuls that read their weight in place (sim/direct.py): their loads are
+    # views, and their other operand is not presplit (the kernel splits k)
+    direct_mm = direct.plan(program)
+    direct_load = {p.load: p for p in direct_mm.values()}
+    direct_bufs = {b for p in direct_mm.values() for b in (p.weight, p.act)}
+    presplit = {i: v for i, v in presplit.items() if program.steps[i].buffer not in direct_bufs}
     for i, s in enumerate(program.steps):
-        if i in presplit:
+        if i in direct_load:
+            steps.append(direct.build_load(program, s, dims, direct_load[i]))
+        elif i in direct_mm:
+            steps.append(
+                direct.build_matmul(program, s, dims, direct_mm[i], _matmul_rounder(program, s))
+            )
+        elif i in presplit:
             steps.append(_build_load(program, s, dims, presplit[i]))
         else:
             steps.append(build_step(program, s, dims))
@@ -465,6 +478,19 @@ def _split_axis(
     return t.unflatten(ax, (cores, chunk)).movedim(ax, 0)
 
 
+def _matmul_rounder(program: Program, s: Matmul) -> Callable:
+    """The rounding of a matmul's fp32 sums into its env buffer: none for
+    per-core partial sums (a k split over cores), else the buffer's dtype."""
+    out_buf = program.buffer(s.out)
+    acc = _acc_dtype(out_buf.dtype) if out_buf.dtype.is_floating_point else torch.float32
+    split = any(
+        program.dim(d).cores > 1
+        for d in program.buffer(s.a).dims
+        if d in program.buffer(s.b).dims and d not in out_buf.dims
+    )
+    return _rounder(acc if split else out_buf.dtype)
+
+
 def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
     out_buf = program.buffer(s.out)
     a_dims, b_dims = dims[s.a], dims[s.b]
@@ -490,8 +516,7 @@ def _build_matmul(program: Program, s: Matmul, dims: dict) -> Callable:
         + "->"
         + "".join(letters[d] for d in out_dims)
     )
-    acc = _acc_dtype(out_buf.dtype) if out_buf.dtype.is_floating_point else torch.float32
-    to_res = _rounder(acc if partial else out_buf.dtype)
+    to_res = _matmul_rounder(program, s)
     a, b, out = s.a, s.b, s.out
     dims[out] = out_dims
     f32 = torch.float32
