@@ -7,7 +7,9 @@
 * an interleaved (GPT-J) rotation written as ``x * cos + (x @ P) * sin``
   compiles and equals the CPU;
 * a decode projection whose K and N are 9 sticks (576) is split over 9 x 3
-  cores, not over the 5 x 3 that powers of two leave busy.
+  cores, not over the 5 x 3 that powers of two leave busy;
+* a cat of pieces whole sticks wide (a chunked LM head's logits) is a stick
+  move, at any width.
 """
 
 from __future__ import annotations
@@ -120,3 +122,27 @@ def test_a_576_projection_streams_on_27_cores():
         out.cpu(), F.linear(*[a.double() for a in args]).to(H), **tolerances(H)
     )
     assert len(kernels) == 1 and kernels[0].cores_used == 27
+
+
+def _chunked_head(x, w1, w2):
+    """A chunked LM head (models/patches.py ChunkedLinear): the logits of two
+    vocabulary chunks joined along the stick dim."""
+    return torch.cat([F.linear(x, w1), F.linear(x, w2)], -1)
+
+
+def test_cat_of_whole_sticks_is_a_stick_move_not_a_lane_placement():
+    """Pieces whole sticks wide (16000 fp16 columns each: 250 sticks) are joined
+    by the device's DMA cat (spyre::cat_sticks), however wide: the lane
+    placement of other cats would need a [16000, 32000] table per piece, and
+    without either Inductor's masked cat does not plan."""
+    g = torch.Generator().manual_seed(3)
+    args = [
+        torch.randn(2, 64, generator=g).to(H),
+        (torch.randn(16000, 64, generator=g) / 8).to(H),
+        (torch.randn(16000, 64, generator=g) / 8).to(H),
+    ]
+    out, kernels = _compiled(_chunked_head, args)
+    want = _chunked_head(*[a.float() for a in args]).to(H)
+    torch.testing.assert_close(out.cpu(), want, **tolerances(H))
+    assert any("cat" in k.name for k in kernels), [k.name for k in kernels]
+    assert not any("lane" in k.name for k in kernels)

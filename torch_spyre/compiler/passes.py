@@ -44,6 +44,7 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
+from torch_spyre.layout import stick_elems
 
 
 @torch.library.custom_op("spyre::embedding", mutates_args=())
@@ -79,6 +80,19 @@ def gather(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 @gather.register_fake
 def _(x, dim, index):
     return x.new_empty(index.shape)
+
+
+@torch.library.custom_op("spyre::cat_sticks", mutates_args=())
+def cat_sticks(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(pieces, -1)`` of pieces that are whole sticks wide, by the
+    device's eager kernel (a DMA program: each piece's sticks move to their
+    offset, no lane shifts), e.g. the logits of a chunked LM head."""
+    return torch.cat(pieces, -1)
+
+
+@cat_sticks.register_fake
+def _(pieces):
+    return torch.cat([torch.empty_like(p) for p in pieces], -1)
 
 
 @torch.library.custom_op("spyre::roll", mutates_args=())
@@ -322,14 +336,14 @@ def _lane_place(gm, piece: torch.fx.Node, width: int, col: int, fake_mode) -> to
     return out
 
 
-def _last_dim(node: torch.fx.Node, dim) -> bool:
+def _last_dim(node: torch.fx.Node, dim, any_width: bool = False) -> bool:
     val = node.meta.get("val")
     return (
         _on_spyre(node)
         and val.dtype.is_floating_point
         and val.dim() > 0
         and dim in (-1, val.dim() - 1)
-        and val.shape[-1] <= _MAX_CAT
+        and (any_width or val.shape[-1] <= _MAX_CAT)
     )
 
 
@@ -353,12 +367,25 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
         val = node.meta.get("val")
         if node.target is aten.cat.default:
             dim = node.args[1] if len(node.args) > 1 else 0
-            if not _last_dim(node, dim):
+            if not _last_dim(node, dim, any_width=True):
                 continue
             pieces = [p for p in node.args[0] if p.meta["val"].shape[-1] > 0]
             if len(pieces) < 2 or any(p.meta["val"].dtype != val.dtype for p in pieces):
                 continue
             if any(p.meta["val"].shape[:-1] != val.shape[:-1] for p in pieces):
+                continue
+            whole = all(p.meta["val"].shape[-1] % stick_elems(val.dtype) == 0 for p in pieces)
+            if not whole and val.shape[-1] > _MAX_CAT:
+                continue
+            if whole:
+                # whole sticks: a stick DMA places each piece, no lane placement
+                # (whose tables would be [d_i, d]: 1 GB for a 32000-row LM head)
+                with gm.graph.inserting_before(node):
+                    new = gm.graph.call_function(torch.ops.spyre.cat_sticks.default, (pieces,))
+                new.meta.update(node.meta)
+                node.replace_all_uses_with(new)
+                gm.graph.erase_node(node)
+                changed = True
                 continue
             fake_mode = detect_fake_mode([val])
             with gm.graph.inserting_before(node):

@@ -114,12 +114,52 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_w(const 
   }
 }
 
+#define SPYRE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// one vector step: 16 elements of k for MR rows of a and kCols rows of w
+template <WType WT, int MR, bool FULL>
+SPYRE_AVX512 __attribute__((always_inline)) inline void fma_step(
+    __m512 (&acc)[MR][kCols], const float* const (&arow)[MR], const char* const (&wrow)[kCols],
+    int64_t ka, int64_t wofs, __mmask16 mask) {
+  __m512 wv[kCols], av[MR];
+#pragma GCC unroll 4
+  for (int c = 0; c < kCols; ++c) {
+    if constexpr (FULL && WT == WType::f16) {
+      wv[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[c] + wofs)));
+    } else if constexpr (FULL && WT == WType::f32) {
+      wv[c] = _mm512_loadu_ps(wrow[c] + wofs);
+    } else {
+      wv[c] = load_w<WT>(wrow[c] + wofs, mask);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+    av[r] = FULL ? _mm512_loadu_ps(arow[r] + ka) : _mm512_maskz_loadu_ps(mask, arow[r] + ka);
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(av[r], wv[c], acc[r][c]);
+}
+
+// a run of len elements of k inside one stick (full vectors, then a masked one)
+template <WType WT, int MR>
+SPYRE_AVX512 __attribute__((always_inline)) inline void partial_run(
+    __m512 (&acc)[MR][kCols], const float* const (&arow)[MR], const char* const (&wrow)[kCols],
+    int64_t k, int64_t wofs, int64_t len) {
+  constexpr int64_t elem = WT == WType::f32 ? 4 : 2;
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    fma_step<WT, MR, true>(acc, arow, wrow, k + i, wofs + i * elem, 0xFFFF);
+  if (i < len)
+    fma_step<WT, MR, false>(acc, arow, wrow, k + i, wofs + i * elem,
+                            static_cast<__mmask16>((1u << (len - i)) - 1));
+}
+
 // MR rows of a (1..kRows) against kCols rows of w
 template <WType WT, int MR>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Job& j, int64_t p,
-                                                                       int64_t m0, int64_t n0) {
-  int64_t lo = p * j.chunk, hi = std::min(j.k, lo + j.chunk);
-  int64_t nc = std::min<int64_t>(kCols, j.n - n0);
+SPYRE_AVX512 void block_avx512(const Job& j, int64_t p, int64_t m0, int64_t n0) {
+  const int64_t lo = p * j.chunk, hi = std::min(j.k, lo + j.chunk);
+  const int64_t nc = std::min<int64_t>(kCols, j.n - n0);
   constexpr int64_t elem = WT == WType::f32 ? 4 : 2;
   // rows of w past the edge repeat the last one; their sums are not stored
   const float* arow[MR];
@@ -132,24 +172,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Job
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_setzero_ps();
-  // (no lambda here: it would not inherit this function's target)
-  for (int64_t k = lo, len; k < hi; k += len) {
-    int64_t off = k % j.stick;
-    len = std::min(j.stick - off, hi - k);
-    int64_t wofs = ((k / j.stick) * j.w_kb + off) * elem;
-    for (int64_t i = 0; i < len; i += kLanes) {
-      int64_t left = len - i;
-      __mmask16 mask = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      __m512 wv[kCols], av[MR];
-#pragma GCC unroll 4
-      for (int c = 0; c < kCols; ++c) wv[c] = load_w<WT>(wrow[c] + wofs + i * elem, mask);
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) av[r] = _mm512_maskz_loadu_ps(mask, arow[r] + k + i);
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-        for (int c = 0; c < kCols; ++c) acc[r][c] = _mm512_fmadd_ps(av[r], wv[c], acc[r][c]);
-    }
+  // runs of k inside one stick: a partial first one, whole sticks (the hot
+  // loop: full vectors only, the accumulators stay in registers), a partial last
+  const int64_t stick = j.stick, step = j.w_kb * elem;
+  int64_t k = lo, wbase = (lo / stick) * step;
+  if (int64_t off = lo % stick; off != 0 && k < hi) {
+    int64_t len = std::min(stick - off, hi - k);
+    partial_run<WT, MR>(acc, arow, wrow, k, wbase + off * elem, len);
+    k += len;
+    wbase += step;
+  }
+  if (stick % kLanes == 0) {
+    for (; k + stick <= hi; k += stick, wbase += step)
+      for (int64_t i = 0; i < stick; i += kLanes)
+        fma_step<WT, MR, true>(acc, arow, wrow, k + i, wbase + i * elem, 0xFFFF);
+  }
+  for (; k < hi; wbase += step) {
+    int64_t len = std::min(stick, hi - k);
+    partial_run<WT, MR>(acc, arow, wrow, k, wbase, len);
+    k += len;
   }
   alignas(64) float lanes[kLanes];
   for (int r = 0; r < MR; ++r)

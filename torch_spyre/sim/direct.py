@@ -36,8 +36,8 @@ _P = "@"  # the executor's prefix of a per-core partial axis
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: up to this many rows of the other operand the kernel is faster than a host
 #: GEMM after a re-lay and cast of the weight (measured here: 1536x576 fp16,
-#: 1 row 104 vs 283 us, 4 rows 366 vs 528 us, 8 rows 709 vs 512 us)
-GEMV_ROWS = 4
+#: 1 row 70 vs 289 us, 8 rows 436 vs 514 us, 16 rows 775 vs 595 us)
+GEMV_ROWS = 8
 
 Buffers = dict[str, torch.Tensor]
 
