@@ -8,8 +8,8 @@
   compiles and equals the CPU;
 * a decode projection whose K and N are 9 sticks (576) is split over 9 x 3
   cores, not over the 5 x 3 that powers of two leave busy;
-* a cat of pieces whole sticks wide (a chunked LM head's logits) is a stick
-  move, at any width.
+* a cat too wide for a lane placement (a chunked LM head's logits) of pieces
+  whole sticks wide is a stick move.
 """
 
 from __future__ import annotations
@@ -132,9 +132,9 @@ def _chunked_head(x, w1, w2):
 
 def test_cat_of_whole_sticks_is_a_stick_move_not_a_lane_placement():
     """Pieces whole sticks wide (16000 fp16 columns each: 250 sticks) are joined
-    by the device's DMA cat (spyre::cat_sticks), however wide: the lane
-    placement of other cats would need a [16000, 32000] table per piece, and
-    without either Inductor's masked cat does not plan."""
+    by the device's DMA cat (spyre::cat_sticks): the lane placement of narrow
+    cats would need a [16000, 32000] table per piece, and without either
+    Inductor's masked cat does not plan."""
     g = torch.Generator().manual_seed(3)
     args = [
         torch.randn(2, 64, generator=g).to(H),

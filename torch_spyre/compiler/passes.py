@@ -374,12 +374,12 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
                 continue
             if any(p.meta["val"].shape[:-1] != val.shape[:-1] for p in pieces):
                 continue
-            whole = all(p.meta["val"].shape[-1] % stick_elems(val.dtype) == 0 for p in pieces)
-            if not whole and val.shape[-1] > _MAX_CAT:
-                continue
-            if whole:
-                # whole sticks: a stick DMA places each piece, no lane placement
-                # (whose tables would be [d_i, d]: 1 GB for a 32000-row LM head)
+            if val.shape[-1] > _MAX_CAT:
+                if any(p.meta["val"].shape[-1] % stick_elems(val.dtype) for p in pieces):
+                    continue
+                # too wide for lane placement (its tables would be [d_i, d]:
+                # 1 GB for a 32000-row LM head), but whole sticks: a stick DMA
+                # places each piece (narrower cats stay fused lane placements)
                 with gm.graph.inserting_before(node):
                     new = gm.graph.call_function(torch.ops.spyre.cat_sticks.default, (pieces,))
                 new.meta.update(node.meta)

@@ -24,6 +24,11 @@ it came from, until something writes that block:
 
 Numbers do not change: a view holds exactly the values a fresh conversion
 would give, in the same host layout.
+
+The weights of matmuls do not come here: they are read in place from their
+stick layout (``sim/direct.py``), which keeps no host copy at all.  The views
+serve the other operands read again and again (norm weights, rotary tables,
+the weights of matmuls with ``TORCH_SPYRE_STICK_GEMM=0``).
 """
 
 from __future__ import annotations
