@@ -251,13 +251,14 @@ def test_mlp_plan_is_one_pe_array_program_with_its_epilogue():
 
 def test_unsupported_op_fails_with_a_message_naming_it():
     # a cat of computed pieces wider than the lane-scatter rewrite takes
-    # (passes._MAX_CAT): masked loads, no plan
+    # (passes._MAX_CAT) and not whole sticks (650 lanes: no stick DMA cat):
+    # masked loads, no plan
     def shuffle(x):
-        return torch.cat((x[..., 640:] * 2, x[..., :640].exp()), -1)
+        return torch.cat((x[..., 650:] * 2, x[..., :650].exp()), -1)
 
     cf = torch.compile(shuffle, fullgraph=True, dynamic=False)
     with pytest.raises(Exception, match="cannot plan .* kernel program: op 'masked'"):
-        cf(torch.randn(4, 1280, dtype=H).to("spyre"))
+        cf(torch.randn(4, 1300, dtype=H).to("spyre"))
 
 
 def test_cat_of_computed_pieces_along_the_stick_dim_is_a_lane_scatter():

@@ -181,3 +181,16 @@ def test_merged_weight_halves_are_read_in_place(plans):
     want = (h.half().float() @ wd.float().T).half()
     torch.testing.assert_close(got, want, rtol=5e-3, atol=5e-3)
     assert len(plans) >= 3  # gate, up and down
+
+
+def test_a_contraction_of_one_element():
+    """k = 1 (an outer product, as a hybrid model's mm [160, 1] @ [1, 5]): the
+    other operand's one column may have any stride."""
+    torch.manual_seed(7)
+    a = torch.randn(1, 160).half()
+    b = torch.randn(1, 5).half()
+    got = (a.to("spyre").t() @ b.to("spyre")).cpu()
+    torch.testing.assert_close(got, (a.float().t() @ b.float()).half(), rtol=1e-3, atol=1e-3)
+    assert _C._stick_gemm(
+        torch.randn(5, 1).t().t(), _stick_weight(3, 1, torch.float16, 64), 1, 1, 1
+    ).shape == (1, 5, 3)

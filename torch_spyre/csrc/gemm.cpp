@@ -236,7 +236,7 @@ bool have_avx512() {
 // cores leaves partial sums (parts = 1, chunk >= K: the whole sum).
 at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64_t chunk,
                       int64_t parts, bool simd) {
-  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.stride(1) == 1,
+  TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && (a.stride(1) == 1 || a.size(1) <= 1),
               "stick_gemm: a must be a 2-D fp32 tensor with unit column stride");
   TORCH_CHECK(w.dim() == 3 && w.stride(2) == 1, "stick_gemm: w must be [N, sticks, stick]");
   TORCH_CHECK(a.size(1) >= k && w.size(1) * w.size(2) >= k && k >= 0,
