@@ -191,6 +191,9 @@ def test_a_contraction_of_one_element():
     b = torch.randn(1, 5).half()
     got = (a.to("spyre").t() @ b.to("spyre")).cpu()
     torch.testing.assert_close(got, (a.float().t() @ b.float()).half(), rtol=1e-3, atol=1e-3)
-    assert _C._stick_gemm(
-        torch.randn(5, 1).t().t(), _stick_weight(3, 1, torch.float16, 64), 1, 1, 1
-    ).shape == (1, 5, 3)
+    column = torch.randn(1, 5).t()  # [5, 1] with column stride 5
+    assert _C._stick_gemm(column, _stick_weight(3, 1, torch.float16, 64), 1, 1, 1).shape == (
+        1,
+        5,
+        3,
+    )

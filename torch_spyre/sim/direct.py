@@ -30,13 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from torch_spyre import layout as layout_mod
-from torch_spyre.sim.program import Load, Matmul, Program, step_reads, step_writes
+from torch_spyre.sim.program import Load, Matmul, Program, sole_load
 
 _P = "@"  # the executor's prefix of a per-core partial axis
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: up to this many rows of the other operand the kernel is faster than a host
-#: GEMM after a re-lay and cast of the weight (measured here: 1536x576 fp16,
-#: 1 row 70 vs 289 us, 8 rows 436 vs 514 us, 16 rows 775 vs 595 us)
+#: GEMM after a re-lay and cast of the weight (``benchmarks/stick_gemm.py``:
+#: 1536x576 fp16, 1 row 64 vs 342 us, 8 rows 432 vs 912 us, 16 rows 858 vs 847 us)
 GEMV_ROWS = 8
 
 Buffers = dict[str, torch.Tensor]
@@ -66,7 +66,6 @@ class Plan:
     """A matmul step that reads its weight in place."""
 
     load: int  # the weight's Load step
-    matmul: int
     weight: str  # the weight's buffer name
     act: str  # the other operand's buffer name
     n_dim: str
@@ -95,31 +94,22 @@ def plan(program: Program) -> dict[int, Plan]:
     return out
 
 
-def _writer(steps, m: int, name: str) -> int | None:
-    return next((i for i in range(m - 1, -1, -1) if step_writes(steps[i]) == name), None)
-
-
 def _plan_one(program: Program, m: int, st: Matmul, weight: str, act: str) -> Plan | None:
-    steps = program.steps
-    w = _writer(steps, m, weight)
-    if w is None or not isinstance(steps[w], Load):
+    # the weight's buffer is loaded for this matmul only
+    w = sole_load(program.steps, m, weight)
+    if w is None:
         return None
-    ld: Load = steps[w]
+    ld: Load = program.steps[w]
     op = program.operand(ld.operand)
     lay = op.layout
     if (
-        ld.rows
-        or op.role != "input"
+        op.role != "input"
         or lay.dtype not in _WEIGHT_DTYPES
         or lay.dl16
         or (lay.dtype != torch.float32 and layout_mod.FP16_FORMAT == "dl16")
         or len(lay.host_size) < 2
         or None in ld.index
     ):
-        return None
-    # the weight's buffer is read by this matmul only (until it is rewritten)
-    end = next((i for i in range(w + 1, len(steps)) if step_writes(steps[i]) == weight), len(steps))
-    if [i for i in range(w + 1, end) if weight in step_reads(steps[i])] != [m]:
         return None
     out_dims = program.buffer(st.out).dims
     host_dims = tuple(ld.index)
@@ -154,7 +144,7 @@ def _plan_one(program: Program, m: int, st: Matmul, weight: str, act: str) -> Pl
     view = _weight_view(lay, offs[0], sizes[0])
     if view is None or (len(k_dims) > 1 and lay.padded):
         return None
-    return Plan(w, m, weight, act, n_dim, tuple(k_dims), view, k, chunk, parts)
+    return Plan(w, weight, act, n_dim, tuple(k_dims), view, k, chunk, parts)
 
 
 def _weight_view(lay, row0: int, rows: int):

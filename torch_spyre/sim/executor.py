@@ -41,8 +41,7 @@ from torch_spyre.sim.program import (
     Scan,
     Store,
     Vector,
-    step_reads,
-    step_writes,
+    sole_load,
     transfer_dims,
 )
 
@@ -217,15 +216,8 @@ def _presplit(program: Program) -> dict[int, tuple[str, int, int, int]]:
             continue
         mm_out = program.buffer(st.out).dims
         for name in (st.a, st.b):
-            # the step that last wrote the operand, and every reader until then
-            w = next((i for i in range(m - 1, -1, -1) if step_writes(steps[i]) == name), None)
-            if w is None or not isinstance(steps[w], Load) or st.a == st.b or steps[w].rows:
-                continue
-            readers = [i for i in range(w + 1, len(steps)) if name in step_reads(steps[i])]
-            rewritten = next(
-                (i for i in range(w + 1, len(steps)) if step_writes(steps[i]) == name), len(steps)
-            )
-            if [i for i in readers if i < rewritten] != [m]:
+            w = None if st.a == st.b else sole_load(steps, m, name)
+            if w is None:
                 continue
             other = program.buffer(st.b if name == st.a else st.a).dims
             split = [

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -283,6 +284,19 @@ def step_writes(s: Step) -> str | None:
     if isinstance(s, RingAllReduce):
         return s.buffer
     return None
+
+
+def sole_load(steps: Sequence[Step], m: int, name: str) -> int | None:
+    """The index of the Load (not a paged one) that last wrote buffer ``name``
+    before step ``m``, when ``m`` is its only reader until the buffer is
+    rewritten; else None."""
+    w = next((i for i in range(m - 1, -1, -1) if step_writes(steps[i]) == name), None)
+    if w is None or not isinstance(steps[w], Load) or steps[w].rows:
+        return None
+    end = next((i for i in range(w + 1, len(steps)) if step_writes(steps[i]) == name), len(steps))
+    if [i for i in range(w + 1, end) if name in step_reads(steps[i])] != [m]:
+        return None
+    return w
 
 
 # ----------------------------------------------------------------- program
