@@ -212,7 +212,7 @@ def test_plans_compute_the_right_values(case, mode):
     want = fn(*[x.float() for x in xs])
     torch._dynamo.reset()
     opts = {"optimised": {}, "unfused": {"fusion": False}, "naive": {"naive": True}}[mode]
-    start = len(scheduling.PLANS)
+    scheduling.PLANS.clear()  # bounded: a trim during this compile would hide its plans
     with options.planning(**opts):
         got = torch.compile(lambda *a: fn(*a), fullgraph=True, dynamic=False)(
             *[x.to("spyre") for x in xs]
@@ -221,7 +221,7 @@ def test_plans_compute_the_right_values(case, mode):
     if name == "gemv k split" and mode == "optimised":
         # the cost model splits k over cores (2 sticks of n): partial sums
         # combined by a ring all-reduce, and the values still match
-        plans = scheduling.PLANS[start:]
+        plans = list(scheduling.PLANS)
         assert any(isinstance(s, RingAllReduce) for p in plans for s in p.program.steps)
 
 
