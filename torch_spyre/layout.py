@@ -85,11 +85,7 @@ def check_dtype(dtype: torch.dtype) -> None:
 
 def stick_elems(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in one 128-byte stick (64 fp16, 32 fp32, 128 int8)."""
-    return STICK_BYTES // _itemsize(dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return STICK_BYTES // dtype.itemsize
 
 
 @dataclass(frozen=True, init=False)
@@ -177,7 +173,7 @@ class SpyreTensorLayout:
     # ------------------------------------------------------------- properties
     @cached_property
     def itemsize(self) -> int:
-        return _itemsize(self.dtype)
+        return self.dtype.itemsize
 
     @cached_property
     def stick_elems(self) -> int:

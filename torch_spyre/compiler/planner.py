@@ -16,8 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import torch
-
 from torch_spyre.compiler import lanes
 from torch_spyre.compiler.kernel_plan import Unsupported
 from torch_spyre.compiler.step_rewrites import _multipass, _stream_rows
@@ -393,16 +391,12 @@ def _lx_total(prog: Program, cfg: HardwareConfig) -> int:
                     e[d] = x
     total = 0
     for b in prog.buffers:
-        itemsize = _ITEMSIZE.get(b.dtype) or torch.empty((), dtype=b.dtype).element_size()
-        _ITEMSIZE[b.dtype] = itemsize
+        itemsize = b.dtype.itemsize
         stick = cfg.stick_bytes // itemsize
         ex = [ext[b.name][d] for d in b.dims] or [1]
         ex[-1] = ceil_div(ex[-1], stick) * stick
         total += math.prod(ex) * itemsize * (2 if b.double_buffered else 1)
     return total
-
-
-_ITEMSIZE: dict[torch.dtype, int] = {}
 
 
 def _fit(

@@ -550,7 +550,7 @@ def estimate(
     cfg = config if config is not None else model_config(key, **(overrides or {}))
     cfg._attn_implementation = "sdpa"
     spec = MODELS.get(key, {"source": "given config", "config_class": type(cfg).__name__})
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     whole_cfg = cfg
@@ -740,7 +740,7 @@ def estimate(
     card_cfg = HardwareConfig.from_env()  # TORCH_SPYRE_DEVICE_MEMORY etc., read now
     run_cfg = cards.config()
     quant_params = sum(layer_mm[k] * counts[k] for k in kinds) if weights is not None else 0
-    qitem = torch.empty((), dtype=weights).element_size() if weights is not None else itemsize
+    qitem = weights.itemsize if weights is not None else itemsize
     # an 8-bit weight: 1 byte per element and one fp32 scale per output channel
     scale_bytes = (
         sum(counts[k] * _linear_rows(base.layers[i]) for i, k in enumerate(kinds)) * 4

@@ -107,7 +107,7 @@ def card_weight_bytes(cfg, tp: int, dtype: torch.dtype) -> int:
     with torch.device("meta"):
         m = transformers.AutoModelForCausalLM.from_config(shard, dtype=dtype)
     n = sum(p.numel() for p in m.parameters())
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 def cards_needed(

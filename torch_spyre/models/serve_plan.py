@@ -166,7 +166,7 @@ def plan(
 
     shard = parallel.shard_config(cfg, est_one.tp)
     head_dim = getattr(shard, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     spec = FullAttentionSpec(
         block_size=block, num_kv_heads=shard.num_key_value_heads, head_size=head_dim, dtype=dtype
     )

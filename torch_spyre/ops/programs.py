@@ -77,8 +77,8 @@ def pointwise(
     cfg = config or HardwareConfig()
     shape = tuple(out_shape) or (1,)
     names = [f"d{i}" for i in range(len(shape))]
-    item = torch.empty((), dtype=out_dtype).element_size()
-    in_bytes = sum(torch.empty((), dtype=dt).element_size() for _, dt in inputs)
+    item = out_dtype.itemsize
+    in_bytes = sum(dt.itemsize for _, dt in inputs)
     # a split of the stick dim must be whole sticks of every operand
     stick = max(stick_elems(dt) for dt in [out_dtype] + [d for _, d in inputs])
     dims = _core_dims(shape, in_bytes + item, cfg, names, stick)

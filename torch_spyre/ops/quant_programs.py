@@ -39,10 +39,6 @@ for _name, _fn in (
         )
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _pointwise(
     name: str,
     shape: tuple[int, ...],
@@ -61,8 +57,8 @@ def _pointwise(
     sshape, sdt = scale
     sshape = tuple(sshape) or (1,)
     inter = {b: dt for _, b, _, _, dt in chain}
-    nbytes = 2 * (_itemsize(x_dtype) + _itemsize(out_dtype)) + sum(
-        _itemsize(dt) for b, dt in inter.items() if b != "out_t"
+    nbytes = 2 * (x_dtype.itemsize + out_dtype.itemsize) + sum(
+        dt.itemsize for b, dt in inter.items() if b != "out_t"
     )
     stick = max(stick_elems(x_dtype), stick_elems(out_dtype))
     dims = _core_dims(shape, nbytes / 2, cfg, names, stick)

@@ -242,7 +242,7 @@ class HardwareConfig:
 
     def vector_elems_per_cycle(self, dtype: torch.dtype = torch.float16) -> float:
         """Vector-unit elements per cycle per core at the "simple" rate."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return self.corelets_per_core * self.vector_lanes * min(1.0, 2.0 / itemsize)
 
     def peak_vector_ops(self, dtype: torch.dtype = torch.float16) -> float:

@@ -33,10 +33,6 @@ from torch_spyre.sim.program import (
 from torch_spyre.sim.swiglu import best_swiglu_mlp, swiglu_mlp  # noqa: F401
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _cores(config: HardwareConfig | None, cores: int | None, size: int) -> int:
     n = cores if cores is not None else (config or HardwareConfig()).cores
     return max(1, min(n, size))
@@ -88,7 +84,7 @@ def elementwise(
     per_core = list(shape)
     per_core[split] = chunk
     nbuf = num_inputs + 1
-    tiles = fit_tiles(per_core, nbuf * 2 * _itemsize(dtype), cfg.lx_bytes // 2, stick_elems(dtype))
+    tiles = fit_tiles(per_core, nbuf * 2 * dtype.itemsize, cfg.lx_bytes // 2, stick_elems(dtype))
     dims = tuple(
         Dim(n, s, cores=ncores if i == split else 1, tile=t, chunk=chunk if i == split else None)
         for i, (n, s, t) in enumerate(zip(names, shape, tiles))
@@ -255,7 +251,7 @@ def default_matmul_tiles(
 ) -> tuple[int, int, int]:
     """The largest output block (tm, tn) with a k tile of 128, that fits the LX."""
     se = stick_elems(dtype)
-    it = _itemsize(dtype)
+    it = dtype.itemsize
     copies = 2 if double_buffer else 1
     tk = min(ek, 2 * se)
 
@@ -296,7 +292,7 @@ def softmax(
     ncores = _cores(cfg, cores, m)
     em = ceil_div(m, ncores)
     se = stick_elems(dtype)
-    row = ceil_div(n, se) * se * _itemsize(dtype)
+    row = ceil_div(n, se) * se * dtype.itemsize
     if rows_per_tile is None:
         # x, y double buffered, e single: 5 row copies per tile in half the LX
         # at least 8 tiles per core, so pipeline fill and drain cost <= 1/8
@@ -473,7 +469,7 @@ def ring_allreduce(
         raise ProgramError(f"ring all-reduce over {cores} cores, but the card has {cfg.cores}")
     se = stick_elems(dtype)
     if tile is None:
-        tile = max(se, min(n, cfg.lx_bytes // 4 // (3 * _itemsize(dtype)) // se * se))
+        tile = max(se, min(n, cfg.lx_bytes // 4 // (3 * dtype.itemsize) // se * se))
     L = ("n",)
     return Program(
         name=name or f"allreduce_{op}_{cores}x{n}",

@@ -357,7 +357,7 @@ class Program:
     def buffer_bytes(self, name: str, config: HardwareConfig | None = None) -> int:
         """LX bytes of one copy: the inner dim is padded to whole sticks."""
         buf = self.buffer(name)
-        itemsize = torch.empty((), dtype=buf.dtype).element_size()
+        itemsize = buf.dtype.itemsize
         stick = (config.stick_bytes if config else 128) // itemsize
         ext = [self.buffer_extents(name)[d] for d in buf.dims] or [1]
         ext[-1] = ceil_div(ext[-1], stick) * stick
@@ -380,7 +380,7 @@ class Program:
                         e[d] = x
         out = {}
         for b in self.buffers:
-            itemsize = torch.empty((), dtype=b.dtype).element_size()
+            itemsize = b.dtype.itemsize
             stick = (config.stick_bytes if config else 128) // itemsize
             sizes = [ext[b.name][d] for d in b.dims] or [1]
             sizes[-1] = ceil_div(sizes[-1], stick) * stick

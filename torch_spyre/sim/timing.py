@@ -22,6 +22,7 @@ Deterministic: pure arithmetic on the program and the config.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -112,75 +113,172 @@ def _stick_sum(start: int, extent: int, tile: int, se: int) -> int:
 
 
 class _CoreView:
-    """Extents of every dim on one core."""
+    """Extents, starts and tiles of every dim on one core."""
+
+    __slots__ = ("p", "coords", "stick_bytes", "extent", "start", "tile", "ntiles")
 
     def __init__(self, program: Program, coords: dict[str, int], stick_bytes: int) -> None:
         self.p = program
         self.coords = coords
         self.stick_bytes = stick_bytes
-        self.extent = {
-            d.name: (d.extent_on(coords[d.name]) if d.cores > 1 else d.size) for d in program.dims
-        }
-        self.start = {
-            d.name: (coords[d.name] * d.core_extent if d.cores > 1 else 0) for d in program.dims
-        }
+        self.extent: dict[str, int] = {}
+        self.start: dict[str, int] = {}
+        #: elements per tile (Dim.tile_size) and tiles of the core's range
+        self.tile: dict[str, int] = {}
+        self.ntiles: dict[str, int] = {}
+        for d in program.dims:
+            ce = d.core_extent
+            if d.cores > 1:
+                c = coords[d.name]
+                e, s0 = max(0, min(d.size - c * ce, ce)), c * ce
+            else:
+                e, s0 = d.size, 0
+            t = min(d.tile or ce, ce)
+            self.extent[d.name], self.start[d.name], self.tile[d.name] = e, s0, t
+            self.ntiles[d.name] = -(-e // t) if e > 0 else 0
 
     def tiles(self, dim: str) -> int:
-        return _tile_lengths(self.extent[dim], self.p.dim(dim).tile_size)[0]
+        return self.ntiles[dim]
 
-    def dim_sum(self, step: Step, dim: str, f=lambda n: n) -> float:
-        """Sum over the step's instances along ``dim`` of f(length)."""
+    def dim_sum(self, step: Step, dim: str, f=None) -> float:
+        """Sum over the step's instances along ``dim`` of f(length) (None: the
+        length itself, whose sum is the extent)."""
         e = self.extent[dim]
+        if f is None:
+            return e
         if dim in step.loops:
-            return _sum_over_tiles(e, self.p.dim(dim).tile_size, f)
+            return _sum_over_tiles(e, self.tile[dim], f)
         return f(e) if e > 0 else 0
 
-    def count(self, step: Step, dims: tuple[str, ...]) -> float:
+    def count(self, step: Step, dims: tuple[str, ...]) -> int:
         """Instances of ``step`` per combination of ``dims`` (loops it repeats over)."""
-        return math.prod(self.tiles(d) for d in step.loops if d not in dims)
+        n = 1
+        for d in step.loops:
+            if d not in dims:
+                n *= self.ntiles[d]
+        return n
+
+    def instances(self, loops: tuple[str, ...]) -> int:
+        n = 1
+        for d in loops:
+            n *= self.ntiles[d]
+        return n
 
 
 # -------------------------------------------------------------- step costs
-def _itemsize(dt: torch.dtype) -> int:
-    return torch.empty((), dtype=dt).element_size()
+class _Steps:
+    """What the cost of each step depends on that no core changes: looked up
+    once per program instead of once per step and core (planners ask the
+    model about thousands of candidate programs)."""
+
+    def __init__(self, p: Program, cfg: HardwareConfig) -> None:
+        grid = p.grid
+        self.causal = [d for d in p.dims if d.causal_to is not None]
+        self.shared_pages = _shared_page_loads(p)
+        depth = len(p.loop_order)
+        # the innermost loop body is a pipeline if its transfers are double
+        # buffered; a transfer of a single-buffered buffer stalls it (serial)
+        self.pipelined = depth > 0 and all(
+            p.buffer(s.buffer).double_buffered
+            for s in p.steps
+            if isinstance(s, Load | Store) and len(s.loops) == depth
+        )
+        self.info: list[tuple] = []
+        self.overlaps: list[bool] = []
+        for s in p.steps:
+            self.overlaps.append(
+                self.pipelined
+                and bool(s.loops)
+                and (not isinstance(s, Load | Store) or p.buffer(s.buffer).double_buffered)
+            )
+            if isinstance(s, Load | Store):
+                dims = transfer_dims(p, s)
+                # stores: only cores at coordinate 0 of split dims missing from
+                # the index write (the others hold replicas)
+                replica = (
+                    tuple(d.name for d in grid if d.name not in dims)
+                    if isinstance(s, Store)
+                    else ()
+                )
+                lay = p.operand(s.operand).layout
+                stick_dim = lay.stick_dim if lay.host_size else -1
+                offsets = getattr(s, "offsets", ()) or (0,) * len(s.index)
+                mc = p.multicast_group(s) if isinstance(s, Load) and s.multicast else None
+                paged = None
+                if s.rows:
+                    table = p.buffer(s.rows).dims
+                    pd = s.index[s.rows_dim]
+                    paged = (
+                        pd,
+                        s.rows_run,
+                        tuple(t for t in table if t != pd and t not in s.index),
+                    )
+                self.info.append((dims, replica, lay.stick_elems, stick_dim, offsets, mc, paged))
+            elif isinstance(s, Matmul):
+                a, b, o = (p.buffer(x) for x in (s.a, s.b, s.out))
+                k = [d for d in a.dims if d in b.dims and d not in o.dims]
+                m = [d for d in a.dims if d not in b.dims]
+                n = [d for d in b.dims if d not in a.dims]
+                batch = [d for d in o.dims if d in a.dims and d in b.dims]
+                involved = tuple(dict.fromkeys(batch + m + n + k))
+                # the PE array quantises each role's innermost dim: rows (M),
+                # columns across both corelets (N), lanes (K)
+                quant = []
+                for role, q in (
+                    (m, cfg.pe_rows),
+                    (n, cfg.pe_cols * cfg.corelets_per_core),
+                    (k, cfg.pe_lanes),
+                ):
+                    for i, d in enumerate(role):
+                        quant.append((d, _ceil_by(q) if i == len(role) - 1 else None))
+                self.info.append((involved, tuple(quant), tuple(batch), pe_rate(a.dtype, b.dtype)))
+            elif isinstance(s, Vector):
+                out = p.buffer(s.out)
+                per_stick = cfg.sfu_cycles(ops_mod.vector_op(s.op).cost_class)
+                self.info.append((out.dims, _lanes(cfg, out.dtype), per_stick))
+            elif isinstance(s, Reduce):
+                src, out = p.buffer(s.input), p.buffer(s.out)
+                per_stick = cfg.sfu_reduction_cycles + sum(
+                    cfg.sfu_cycles(c) for c in ops_mod.reduction(s.op).extra_cost
+                )
+                along_stick = src.dims[-1] == s.dim
+                self.info.append(
+                    (src.dims, out.dims, _lanes(cfg, src.dtype), per_stick, along_stick)
+                )
+            else:
+                self.info.append(())
 
 
-def _transfer(cv: _CoreView, s: Load | Store) -> tuple[float, float]:
+def _ceil_by(q: int):
+    return lambda x: -(-x // q)
+
+
+def _transfer(cv: _CoreView, s: Load | Store, info: tuple) -> tuple[float, float]:
     """(transfers, bytes) of a load/store on this core."""
-    p = cv.p
-    dims = transfer_dims(p, s)
-    if isinstance(s, Store):
-        # replicas: only cores at coordinate 0 of split dims missing from the index
-        for d in p.grid:
-            if d.name not in dims and cv.coords[d.name] != 0:
-                return 0.0, 0.0
-    lay = p.operand(s.operand).layout
+    dims, replica, se, stick_dim, offsets, _mc, paged = info
+    coords = cv.coords
+    for d in replica:
+        if coords[d] != 0:
+            return 0.0, 0.0
     sticks = cv.count(s, dims)
-    se = lay.stick_elems
-    stick_dim = lay.stick_dim if lay.host_size else -1
     # a size-1 (None) stick dim still costs one whole stick per row
-    offsets = getattr(s, "offsets", ()) or (0,) * len(s.index)
     for k, d in enumerate(s.index):
         if d is None:
             continue
         if k == stick_dim:
-            t = p.dim(d).tile_size if d in s.loops else cv.extent[d]
+            t = cv.tile[d] if d in s.loops else cv.extent[d]
             sticks *= _stick_sum(cv.start[d] + offsets[k], cv.extent[d], t, se)
         else:
-            sticks *= cv.dim_sum(s, d)
-    if not s.rows:
-        transfers = math.prod(cv.tiles(d) for d in s.loops)
-        return float(transfers), float(sticks * cv.stick_bytes)
+            sticks *= cv.extent[d]
+    if paged is None:
+        return float(cv.instances(s.loops)), float(sticks * cv.stick_bytes)
     # paged: the table's other dims (a request each) multiply the sticks; one
     # DMA descriptor per run of consecutive rows (a page) of each of them
-    table = p.buffer(s.rows).dims
-    paged = s.index[s.rows_dim]
-    run = s.rows_run
-    transfers = cv.count(s, dims) * cv.dim_sum(s, paged, lambda n: -(-n // run))
-    for t in table:
-        if t != paged and t not in s.index:
-            sticks *= cv.dim_sum(s, t)
-            transfers *= cv.dim_sum(s, t)
+    pd, run, others = paged
+    transfers = cv.count(s, dims) * cv.dim_sum(s, pd, lambda n: -(-n // run))
+    for t in others:
+        sticks *= cv.extent[t]
+        transfers *= cv.extent[t]
     return float(transfers), float(sticks * cv.stick_bytes)
 
 
@@ -190,35 +288,23 @@ def _vector_sticks(cv: _CoreView, s: Step, dims: tuple[str, ...], lanes: int) ->
         return cv.count(s, ())
     total = cv.count(s, dims)
     for d in dims[:-1]:
-        total *= cv.dim_sum(s, d)
+        total *= cv.extent[d]
     return total * cv.dim_sum(s, dims[-1], lambda n: -(-n // lanes))
 
 
 def _lanes(cfg: HardwareConfig, dtype: torch.dtype) -> int:
-    return max(1, int(cfg.vector_lanes * min(1.0, 2 / _itemsize(dtype))))
+    return max(1, int(cfg.vector_lanes * min(1.0, 2 / dtype.itemsize)))
 
 
-def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig) -> float:
-    p = cv.p
-    a, b, o = (p.buffer(x) for x in (s.a, s.b, s.out))
-    k = [d for d in a.dims if d in b.dims and d not in o.dims]
-    m = [d for d in a.dims if d not in b.dims]
-    n = [d for d in b.dims if d not in a.dims]
-    batch = [d for d in o.dims if d in a.dims and d in b.dims]
-    involved = tuple(dict.fromkeys(batch + m + n + k))
+def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig, info: tuple) -> float:
+    involved, quant, batch, rate = info
     cyc = cv.count(s, involved)
-    # the PE array quantises each role's innermost dim: rows (M), columns
-    # across both corelets (N), lanes (K)
-    for role, q in ((m, cfg.pe_rows), (n, cfg.pe_cols * cfg.corelets_per_core), (k, cfg.pe_lanes)):
-        for i, d in enumerate(role):
-            last = i == len(role) - 1
-            cyc *= cv.dim_sum(s, d, (lambda x, q=q: -(-x // q)) if last else (lambda x: x))
+    for d, f in quant:
+        cyc *= cv.dim_sum(s, d, f)
     for d in batch:
-        cyc *= cv.dim_sum(s, d)
-    rate = pe_rate(a.dtype, b.dtype)
+        cyc *= cv.extent[d]
     fill = cfg.pe_rows + cfg.pe_cols  # systolic fill and drain per tile
-    instances = math.prod(cv.tiles(d) for d in s.loops)
-    return cyc / rate + fill * instances
+    return cyc / rate + fill * cv.instances(s.loops)
 
 
 def _matmul_flops(p: Program, s: Matmul) -> float:
@@ -228,15 +314,6 @@ def _matmul_flops(p: Program, s: Matmul) -> float:
 
 
 # ----------------------------------------------------------------- model
-def _core_coords(program: Program, core: int) -> dict[str, int]:
-    coords = {d.name: 0 for d in program.dims}
-    rem = core
-    for d in reversed(program.grid):
-        coords[d.name] = rem % d.cores
-        rem //= d.cores
-    return coords
-
-
 def _group_stride(program: Program, dim: str) -> int:
     """Core-id distance between neighbours of the group splitting ``dim``."""
     stride = 1
@@ -245,6 +322,43 @@ def _group_stride(program: Program, dim: str) -> int:
             return stride
         stride *= d.cores
     return stride
+
+
+def _cores(p: Program, sticky: tuple[str, ...] | None) -> tuple[list[int], list[dict[str, int]]]:
+    """Every core's class (cores of one class cost the same) and the grid
+    coordinates of the first core of each class, in core-id order.
+
+    A core's cost depends on its extents, where its range starts inside a
+    stick along the stick dims of the operands (``_sticky_dims``; all starts
+    when causal tiles are skipped) and whether it stores replicated results
+    (coordinate 0 of the split dims): a key per coordinate of each split dim.
+    """
+    grid = p.grid
+    keys = []
+    for d in grid:
+        ce = d.core_extent
+        per = []
+        for c in range(d.cores):
+            if sticky is None:
+                start = c * ce
+            else:  # every stick holds 128 / itemsize elements, which divides 128
+                start = (c * ce) % 128 if d.name in sticky else 0
+            per.append((max(0, min(d.size - c * ce, ce)), start, c == 0))
+        keys.append(per)
+    cls: list[int] = []
+    first: dict[tuple, int] = {}
+    coords: list[dict[str, int]] = []
+    names = [d.name for d in grid]
+    base = {d.name: 0 for d in p.dims}
+    # core ids are row-major over the grid, the first split dim slowest
+    for at in itertools.product(*(range(d.cores) for d in grid)):
+        sig = tuple(keys[g][c] for g, c in enumerate(at))
+        k = first.get(sig)
+        if k is None:
+            k = first[sig] = len(coords)
+            coords.append({**base, **dict(zip(names, at))})
+        cls.append(k)
+    return cls, coords
 
 
 #: reports by program structure: a model's layers repeat the same programs
@@ -270,37 +384,24 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     p = program
     ncores = program.cores_used
     clock = cfg.clock_hz
-    views = [_CoreView(p, _core_coords(p, c), cfg.stick_bytes) for c in range(ncores)]
-    mem_cycles_per_byte = _shared_memory_rates(p, views, cfg)
-    # the innermost loop body is a pipeline if its transfers are double
-    # buffered; a transfer of a single-buffered buffer stalls it (serial)
-    depth = len(p.loop_order)
-    pipelined = depth > 0 and all(
-        p.buffer(s.buffer).double_buffered
-        for s in p.steps
-        if isinstance(s, Load | Store) and len(s.loops) == depth
-    )
-
-    def overlaps(s: Step) -> bool:
-        if not (pipelined and s.loops):
-            return False
-        return not isinstance(s, Load | Store) or p.buffer(s.buffer).double_buffered
-
+    st = _Steps(p, cfg)
+    # cores with the same extents, stick alignment and replica role cost the
+    # same: each class of cores is modelled once (compile time: the cost model
+    # is asked about thousands of candidate plans)
+    cls, class_coords = _cores(p, _sticky_dims(p))
+    views = [_CoreView(p, coords, cfg.stick_bytes) for coords in class_coords]
+    transfers = [_transfers(p, cv, st) for cv in views]
+    mem_cycles_per_byte = _shared_memory_rates(p, cls, views, transfers, st, cfg)
     n_iter_inner = None
     busy = {u: [0.0] * ncores for u in UNITS}
     core_cycles = [0.0] * ncores
     overhead = [0.0] * ncores
     dram_bytes = ring_bytes = 0.0
     vector_ops = sum(_vector_ops(p, s) for s in p.steps)
-    # cores with the same extents, stick alignment and replica role cost the
-    # same: each distinct core is modelled once (compile time: the cost model
-    # is asked about thousands of candidate plans)
     per_sig: dict[tuple, tuple] = {}
-    sticky = _sticky_dims(p)
-    shared_pages = _shared_page_loads(p)
     for c in range(ncores):
-        cv = views[c]
-        sig = (_core_signature(p, cv, sticky), mem_cycles_per_byte[c])
+        k = cls[c]
+        sig = (k, mem_cycles_per_byte[c])
         hit = per_sig.get(sig)
         if hit is not None:
             c_busy, c_over, c_dram, c_ring, core_cycles[c], n_iter = hit
@@ -312,15 +413,17 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
             if c == 0:
                 n_iter_inner = n_iter
             continue
+        cv = views[k]
+        moved = transfers[k]
         dram0, ring0 = dram_bytes, ring_bytes
         loop_b = dict.fromkeys(UNITS, 0.0)
         serial = 0.0
         for i, s in enumerate(p.steps):
-            cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c])
-            if i in shared_pages:  # its pages move with an earlier transfer's descriptors
+            cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c], st.info[i], moved[i])
+            if i in st.shared_pages:  # its pages move with an earlier transfer's descriptors
                 cost.cycles["dma"] -= cost.setup
                 cost.setup = 0.0
-            frac = _causal_fraction(cv, s.loops)
+            frac = _causal_fraction(cv, s.loops, st.causal)
             if frac != 1.0:  # causal tiles skipped (Dim.causal_to)
                 cost = _Cost(
                     {u: x * frac for u, x in cost.cycles.items()},
@@ -328,17 +431,18 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
                     cost.dram_bytes * frac,
                     cost.ring_bytes * frac,
                 )
+            into = loop_b if st.overlaps[i] else None
             for unit, cyc in cost.cycles.items():
                 busy[unit][c] += cyc
-                if overlaps(s):
-                    loop_b[unit] += cyc
+                if into is not None:
+                    into[unit] += cyc
                 else:
                     serial += cyc
             overhead[c] += cost.setup
             dram_bytes += cost.dram_bytes
             ring_bytes += cost.ring_bytes
-        n_iter = max(1, math.prod(cv.tiles(d) for d in p.loop_order)) if p.loop_order else 1
-        n_iter = max(1, round(n_iter * _causal_fraction(cv, p.loop_order)))
+        n_iter = max(1, cv.instances(p.loop_order)) if p.loop_order else 1
+        n_iter = max(1, round(n_iter * _causal_fraction(cv, p.loop_order, st.causal)))
         if c == 0:
             n_iter_inner = n_iter
         total_b = sum(loop_b.values())
@@ -394,7 +498,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         attainment=roof / time_s,
         launch_s=cfg.launch_overhead_s,
         dtype=str(mm_dtype).removeprefix("torch."),
-        extra={"pipelined": float(pipelined), "inner_iterations": float(n_iter_inner or 1)},
+        extra={"pipelined": float(st.pipelined), "inner_iterations": float(n_iter_inner or 1)},
     )
 
 
@@ -408,14 +512,23 @@ class _Cost:
     ring_bytes: float = 0.0
 
 
-def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: float) -> _Cost:
+def _step_cost(
+    cv: _CoreView,
+    s: Step,
+    cfg: HardwareConfig,
+    cycles_per_byte: float,
+    info: tuple,
+    moved: tuple[float, float] | None,
+) -> _Cost:
+    """``info``: the step's ``_Steps.info``; ``moved``: a transfer's ``_transfer``."""
     p = cv.p
     if isinstance(s, Load | Store):
-        n, nbytes = _transfer(cv, s)
+        n, nbytes = moved
         cost = _Cost()
-        if isinstance(s, Load) and s.multicast:
+        mc = info[5]
+        if mc is not None:
             # each core of the group reads 1/group, the ring all-gathers the rest
-            group, stride = p.multicast_group(s)
+            group, stride = mc
             cost.ring_bytes = (group - 1) / group * nbytes
             ring = cost.ring_bytes / (2 * cfg.ring_bytes_per_cycle) * stride
             cost.cycles["ring"] = ring + n * (group // 2) * stride * cfg.ring_hop_cycles
@@ -425,21 +538,17 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
         cost.dram_bytes = nbytes
         return cost
     if isinstance(s, Matmul):
-        return _Cost({"pe": _matmul_cycles(cv, s, cfg)})
+        return _Cost({"pe": _matmul_cycles(cv, s, cfg, info)})
     if isinstance(s, Vector):
-        out = p.buffer(s.out)
-        sticks = _vector_sticks(cv, s, out.dims, _lanes(cfg, out.dtype))
-        per_stick = cfg.sfu_cycles(ops_mod.vector_op(s.op).cost_class)
+        dims, lanes, per_stick = info
+        sticks = _vector_sticks(cv, s, dims, lanes)
         return _Cost({"vector": sticks * per_stick / cfg.corelets_per_core})
     if isinstance(s, Reduce):
-        src, out = p.buffer(s.input), p.buffer(s.out)
-        sticks = _vector_sticks(cv, s, src.dims, _lanes(cfg, src.dtype))
-        outs = cv.count(s, out.dims) * math.prod(cv.dim_sum(s, d) for d in out.dims)
+        src_dims, out_dims, lanes, per_stick, along_stick = info
+        sticks = _vector_sticks(cv, s, src_dims, lanes)
+        outs = cv.count(s, out_dims) * math.prod(cv.extent[d] for d in out_dims)
         # a reduction along the stick ends in a cross-lane tree per output
-        tree = outs * cfg.sfu_reduction_tree_cycles if src.dims[-1] == s.dim else 0
-        per_stick = cfg.sfu_reduction_cycles + sum(
-            cfg.sfu_cycles(c) for c in ops_mod.reduction(s.op).extra_cost
-        )
+        tree = outs * cfg.sfu_reduction_tree_cycles if along_stick else 0
         return _Cost({"vector": (sticks * per_stick + tree) / cfg.corelets_per_core})
     if isinstance(s, Scan):
         # element i waits for element i - 1: the scanned dim is walked one
@@ -459,11 +568,11 @@ def _step_cost(cv: _CoreView, s: Step, cfg: HardwareConfig, cycles_per_byte: flo
     buf = p.buffer(s.buffer)
     group = p.dim(s.dim).cores
     stride = _group_stride(p, s.dim)
-    sticks = _vector_sticks(cv, s, buf.dims, cfg.stick_bytes // _itemsize(buf.dtype))
+    sticks = _vector_sticks(cv, s, buf.dims, cfg.stick_bytes // buf.dtype.itemsize)
     # bidirectional ring: reduce-scatter + all-gather, each core sends
     # 2(P-1)/P of the data, half each way; interleaved groups share links
     sent = 2 * (group - 1) / group * sticks * cfg.stick_bytes
-    instances = math.prod(cv.tiles(d) for d in s.loops)
+    instances = cv.instances(s.loops)
     ring = sent / (2 * cfg.ring_bytes_per_cycle) * stride
     ring += instances * 2 * (group - 1) * stride * cfg.ring_hop_cycles
     # the combining adds of the reduce-scatter run on the vector units
@@ -510,21 +619,21 @@ def _vector_ops(p: Program, s: Step) -> float:
     return 0.0
 
 
-def _causal_fraction(cv: _CoreView, loops: tuple[str, ...]) -> float:
+def _causal_fraction(cv: _CoreView, loops: tuple[str, ...], causal: list) -> float:
     """Fraction of the instances of a step inside ``loops`` that run on this
     core: a tile of a dim with ``causal_to`` set that starts after the last
     position of the current tile of its partner dim is skipped (attention
     blocks above the diagonal).  Exact count of the (partner tile, tile)
-    pairs, one partner tile at a time."""
-    p = cv.p
+    pairs, one partner tile at a time.  ``causal``: the program's dims with
+    ``causal_to``."""
     frac = 1.0
-    for d in p.dims:
-        if d.causal_to is None or d.name not in loops:
+    for d in causal:
+        if d.name not in loops:
             continue
-        nk = cv.tiles(d.name)
+        nk = cv.ntiles[d.name]
         q = d.causal_to
         eq = cv.extent[q]
-        tq = p.dim(q).tile_size if q in loops else eq
+        tq = cv.tile[q] if q in loops else eq
         nq = _tile_lengths(eq, tq)[0]
         if not nk or not nq:
             continue
@@ -538,13 +647,22 @@ def _causal_fraction(cv: _CoreView, loops: tuple[str, ...]) -> float:
     return frac
 
 
-def _dram_bytes(p: Program, cv: _CoreView) -> float:
+def _transfers(p: Program, cv: _CoreView, st: _Steps) -> list[tuple[float, float] | None]:
+    """``_transfer`` of every load/store of ``p`` on this core (None: other steps)."""
+    return [
+        _transfer(cv, s, st.info[i]) if isinstance(s, Load | Store) else None
+        for i, s in enumerate(p.steps)
+    ]
+
+
+def _dram_bytes(p: Program, cv: _CoreView, st: _Steps, moved: list) -> float:
     total = 0.0
-    for s in p.steps:
+    for i, s in enumerate(p.steps):
         if isinstance(s, Load | Store):
-            nbytes = _transfer(cv, s)[1] * _causal_fraction(cv, s.loops)
-            if isinstance(s, Load) and s.multicast:
-                nbytes /= p.multicast_group(s)[0]
+            nbytes = moved[i][1] * _causal_fraction(cv, s.loops, st.causal)
+            mc = st.info[i][5]
+            if mc is not None:
+                nbytes /= mc[0]
             total += nbytes
     return total
 
@@ -563,23 +681,14 @@ def _sticky_dims(p: Program) -> tuple[str, ...] | None:
     return tuple(sorted(sticky))
 
 
-def _core_signature(p: Program, cv: _CoreView, sticky: tuple[str, ...] | None) -> tuple:
-    """What a core's modelled cost depends on besides the program: its
-    extents, where its range starts inside a stick along the stick dims of
-    the operands (``_sticky_dims``), and whether it stores replicated
-    results (coordinate 0 of the split dims)."""
-    if sticky is None:
-        starts = tuple(cv.start.values())
-    else:  # every stick holds 128 / itemsize elements, which divides 128
-        starts = tuple(cv.start[d] % 128 for d in sticky)
-    return (
-        tuple(cv.extent.values()),
-        starts,
-        tuple(cv.coords[d.name] == 0 for d in p.grid),
-    )
-
-
-def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig) -> list[float]:
+def _shared_memory_rates(
+    p: Program,
+    cls: list[int],
+    views: list[_CoreView],
+    transfers: list[list],
+    st: _Steps,
+    cfg: HardwareConfig,
+) -> list[float]:
     """Cycles per byte each core's DMA gets from the shared LPDDR5.
 
     Max-min fair sharing (water filling): all cores stream from the start;
@@ -588,14 +697,9 @@ def _shared_memory_rates(p: Program, views: list[_CoreView], cfg: HardwareConfig
     others (e.g. the one storing a reduced result) speeds up once the others
     are done.  Returns total cycles / total bytes of each core.
     """
-    memo: dict[tuple, float] = {}
-    per_core = []
-    sticky = _sticky_dims(p)
-    for cv in views:  # cores that differ only in position move the same bytes
-        sig = _core_signature(p, cv, sticky)
-        if sig not in memo:
-            memo[sig] = _dram_bytes(p, cv)
-        per_core.append(memo[sig])
+    # cores of one class move the same bytes
+    per_class = [_dram_bytes(p, cv, st, t) for cv, t in zip(views, transfers)]
+    per_core = [per_class[k] for k in cls]
     port = float(cfg.dma_bytes_per_cycle)
     shared = cfg.sustained_bandwidth_Bps / cfg.clock_hz
     order = sorted(range(len(per_core)), key=lambda i: per_core[i])

@@ -357,7 +357,7 @@ def _checkpoint_bytes(model_config) -> int | None:
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
-    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+    itemsize = model_config.dtype.itemsize
     total = 0
     for f in files:
         with open(f, "rb") as fh:
