@@ -79,3 +79,30 @@ def test_module_to_keeps_parameters_and_tied_weights():
     assert param.device.type == "spyre"
     m.half().to("cpu")
     assert m.head.weight is m.emb.weight and param.dtype == torch.float16
+
+
+def test_loaded_tensor_is_laid_out_once_then_used_in_place():
+    """A loaded tensor has a linear storage (bytes in order); the first kernel
+    that takes it whole re-lays the storage into its stick layout in place (one
+    modelled d2d), later kernels read it where it is; views of the storage
+    follow the new layout."""
+    from torch_spyre.runtime import access, cards
+
+    torch.manual_seed(0)
+    a = torch.randn(64, 128, dtype=torch.float16)
+    w = torch.randn(128, 64, dtype=torch.float16)
+    dw = _round_trip(w.to("spyre"))
+    row = dw[3]  # a view of the same loaded storage
+    assert access.is_whole_linear(dw)
+    d2d = lambda: cards.card(0).stats()["transfer_bytes"]["d2d"]  # noqa: E731
+    x = a.to("spyre")
+    before = d2d()
+    y1 = x @ dw
+    once = d2d() - before
+    assert once == 128 * 64 * 2  # the weight's sticks, re-laid once
+    assert not access.is_whole_linear(dw)
+    y2 = x @ dw
+    assert d2d() - before == once  # used in place from then on
+    torch.testing.assert_close(y1.cpu(), (a.float() @ w.float()).half(), atol=2e-2, rtol=1e-2)
+    assert torch.equal(y1.cpu(), y2.cpu())
+    assert torch.equal(row.cpu(), w[3]) and torch.equal(dw.cpu(), w)

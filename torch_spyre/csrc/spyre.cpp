@@ -1344,6 +1344,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     spyre::g_layouts.erase(t.storage().data_ptr().get());
     spyre::g_layout_of_ptr.erase(t.storage().data_ptr().get());
   });
+  // The device blocks behind two storages of one logical size trade places
+  // (a linear storage taking the block a re-lay filled: access.adopt_default).
+  m.def("_swap_blocks", [](const at::Tensor& a, const at::Tensor& b) {
+    auto sa = a.storage().unsafeGetStorageImpl();
+    auto sb = b.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(sa->nbytes() == sb->nbytes() && a.device() == b.device(),
+                "internal error: _swap_blocks needs storages of one size on one device");
+    at::DataPtr pa = sa->set_data_ptr(at::DataPtr(nullptr, a.device()));
+    at::DataPtr pb = sb->set_data_ptr(std::move(pa));
+    sa->set_data_ptr_noswap(std::move(pb));
+  });
   m.def("_device_bytes", &spyre::device_bytes);
   m.def("_device_tensor", &spyre::device_tensor);
   m.def("_empty_in_layout", &spyre::empty_in_layout);

@@ -2,9 +2,11 @@
 
 A kernel program reads and writes whole operands through their layouts.  A
 tensor that already is its storage's whole base in the default layout is used
-in place (no copy); anything else (a strided view, a dtype view, a linear
-storage) is first re-laid on the card into a fresh tensor, which is modelled
-as a device-to-device DMA of its sticks.
+in place (no copy); a tensor that is all of a linear storage (torch.load,
+unpickling, Inductor's cached constants) is re-laid in place once, the
+storage keeping the default layout; anything else (a strided view, a dtype
+view) is first re-laid on the card into a fresh tensor.  Each re-lay is
+modelled as a device-to-device DMA of its sticks.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def memory(t: torch.Tensor) -> torch.Tensor:
         return mem
     lay = _whole_layout(t)
     if lay is None:
-        t = relaid(t)
+        if not _adopted(t):
+            t = relaid(t)
         lay = access.storage_layout(t)
     return access.device_tensor(t, lay)
 
@@ -75,8 +78,17 @@ def relaid(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _adopted(t: torch.Tensor) -> bool:
+    """When ``t`` is all of a linear storage (loaded, unpickled): the storage
+    takes ``t``'s default layout, once, and ``t`` is used in place from then on."""
+    if not access.is_whole_linear(t):
+        return False
+    access.adopt_default(t)
+    return True
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
-    return t if is_whole_default(t) else relaid(t)
+    return t if is_whole_default(t) or _adopted(t) else relaid(t)
 
 
 def operand_layout(t: torch.Tensor) -> SpyreTensorLayout:

@@ -20,6 +20,7 @@ import torch
 
 from torch_spyre import _C
 from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.runtime import cards
 from torch_spyre.sim.hostviews import VIEWS
 
 _DTYPES = {
@@ -210,6 +211,28 @@ def device_nbytes(t: torch.Tensor) -> int:
     if _covers_base(t, layout):
         return layout.nbytes
     return math.ceil(t.numel() * t.element_size() / 128) * 128
+
+
+def is_whole_linear(t: torch.Tensor) -> bool:
+    """True when ``t`` is all of a linear storage (one made without a tensor:
+    torch.load, unpickling, Inductor's cached constants), contiguous."""
+    return (
+        _C._layout_of(t) is None
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
+
+
+def adopt_default(t: torch.Tensor) -> None:
+    """The linear storage of ``t`` (``is_whole_linear``) takes the default stick
+    layout of ``t``, in place: the values are re-laid on the card once (a
+    restickify DMA, modelled as such) and every tensor of the storage reads
+    them through the new layout from then on, instead of a re-lay per use."""
+    fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    write(fresh, read(t, device_values=True), device_values=True)
+    _C._swap_blocks(t, fresh)  # fresh now holds the linear block, freed with it
+    cards.record_transfer(t.device.index or 0, "d2d", device_nbytes(t))
 
 
 def relinearize(t: torch.Tensor) -> None:
