@@ -19,13 +19,17 @@ import torch  # noqa: E402
 from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
-SOURCES = ["torch_spyre/csrc/spyre.cpp", "torch_spyre/csrc/gemm.cpp"]
+SOURCES = [
+    "torch_spyre/csrc/spyre.cpp",
+    "torch_spyre/csrc/gemm.cpp",
+    "torch_spyre/csrc/dl16.cpp",
+]
 COMPILE_ARGS = ["-O2", "-std=c++17", "-Wno-unused-parameter"]
 
 
 def _cache_key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in [*SOURCES, *sorted(str(p) for p in Path("torch_spyre/csrc").glob("*.h"))]:
         h.update(Path(src).read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(COMPILE_ARGS).encode())

@@ -17,38 +17,23 @@ from __future__ import annotations
 
 import torch
 
+from torch_spyre import _C
+
 #: the NaN/infinity pattern (magnitude bits), and the largest finite value
 NINF = 0x7FFF
 MAX = 2.0**32 * (1 + 510 / 512)
-_BIAS_SHIFT = 127 - 31  # fp32 bias - DL16 bias
-# largest fp32 bit pattern (magnitude) that rounds to a finite DL16 value
-_NMAX32 = ((63 + _BIAS_SHIFT) << 23) | (510 << 14) | ((1 << 13) - 1)
 
 
+# The conversions are loops in csrc/dl16.h (a DL16 card converts every
+# operand it reads and writes: in torch ops they took half of a DL16 decode).
 def encode(values: torch.Tensor) -> torch.Tensor:
     """DL16 bits (int16) of float ``values`` (any float dtype, via fp32)."""
-    b = values.to(torch.float32).contiguous().view(torch.int32)
-    sign = (b >> 31) & 1
-    mag = b & 0x7FFFFFFF
-    e = ((b >> 23) & 0xFF) - _BIAS_SHIFT
-    frac = (b & 0x7FFFFF) + (1 << 13)  # + half an ulp of the 9-bit fraction
-    carry = frac > 0x7FFFFF
-    e = e + carry.to(torch.int32)
-    frac = torch.where(carry, 0, frac)
-    finite = (e >= 0) & (mag <= _NMAX32)
-    out = torch.where(finite, (e << 9) | (frac >> 14), torch.where(e >= 0, NINF, 0))
-    return (out | (sign << 15)).to(torch.int16)
+    return _C._dl16_encode(values.to(torch.float32).contiguous())
 
 
 def decode(bits: torch.Tensor) -> torch.Tensor:
     """fp32 values of DL16 ``bits`` (int16; NINF -> NaN)."""
-    u = bits.to(torch.int32) & 0xFFFF
-    sign = (u >> 15) << 31
-    mag = u & 0x7FFF
-    b = sign | (((mag >> 9) + _BIAS_SHIFT) << 23) | ((mag & 0x1FF) << 14)
-    b = torch.where(mag == 0, sign, b)
-    b = torch.where(mag == NINF, sign | 0x7FC00000, b)
-    return b.view(torch.float32)
+    return _C._dl16_decode(bits.contiguous())
 
 
 def round_trip(values: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,23 @@ def test_encode_matches_ibms_conversion():
     assert torch.equal(dl16.encode(x), want)
 
 
+def _decode_ref(u: int) -> float:
+    """The value of DL16 bits ``u`` (0..65535), from the format's definition."""
+    sign = -1.0 if u >> 15 else 1.0
+    mag = u & 0x7FFF
+    if mag == 0x7FFF:
+        return float("nan")
+    if mag == 0:
+        return sign * 0.0
+    return sign * 2.0 ** ((mag >> 9) - 31) * (1 + (mag & 0x1FF) / 512)
+
+
 def test_decode_is_exact_and_round_trips():
     bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     vals = dl16.decode(bits)
+    want = torch.tensor([_decode_ref(u) for u in range(65536)], dtype=torch.float64)
+    assert torch.equal(vals.double().nan_to_num(7.0), want.nan_to_num(7.0))
+    assert torch.equal(vals.view(torch.int32) < 0, bits < 0)  # signs, of zeros too
     finite = ~vals.isnan()
     assert int((~finite).sum()) == 2  # NINF, per sign
     assert torch.equal(dl16.encode(vals[finite]), bits[finite])

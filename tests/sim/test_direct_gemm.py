@@ -1,7 +1,7 @@
 """Matmuls that read their weight in place, in its stick layout (sim/direct.py,
 csrc/gemm.cpp).
 
-The kernel sums fp16 / bf16 / fp32 products into fp32 accumulators in a fixed
+The kernel sums fp16 / bf16 / fp32 / DL16 products into fp32 accumulators in a fixed
 order: against a float64 reference it is within fp32 rounding, its SIMD and
 scalar paths give the same bits, and so do one and two threads.  Through the
 device: linear layers of one and many rows (the kernel, and the host-GEMM
@@ -13,13 +13,18 @@ seen by the next read (there is no copy to go stale).
 import pytest
 import torch
 
-from torch_spyre import _C
+from torch_spyre import _C, dl16
 from torch_spyre.sim import direct
 from torch_spyre.sim.hostviews import VIEWS
 
 
+def _values(w):
+    """A weight's values: DL16 bits (int16) decoded, else as they are."""
+    return dl16.decode(w) if w.dtype == torch.int16 else w
+
+
 def _reference(a, w3, k, chunk, parts):
-    w = w3.reshape(w3.shape[0], -1)[:, :k].double()
+    w = _values(w3).reshape(w3.shape[0], -1)[:, :k].double()
     a = a[:, :k].double()
     out = torch.zeros(parts, a.shape[0], w.shape[0], dtype=torch.float64)
     for p in range(parts):
@@ -33,11 +38,16 @@ def _stick_weight(n, k, dtype, stick):
     """A [n, k] weight as the device holds it ([k / stick, n, stick]), viewed
     back in host order: [n, k / stick, stick], strided."""
     kb = -(-k // stick)
-    dev = torch.randn(kb, n, stick).to(dtype)
+    if dtype == "dl16":  # the card's format: the bits, zeros of both signs among them
+        dev = dl16.encode(torch.randn(kb, n, stick))
+        dev.view(-1)[::7] = 0
+        dev.view(-1)[3::11] = -(1 << 15)
+    else:
+        dev = torch.randn(kb, n, stick).to(dtype)
     return dev.permute(1, 0, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, "dl16"])
 @pytest.mark.parametrize(
     "m,n,k,chunk,parts",
     [
@@ -57,7 +67,7 @@ def test_kernel_matches_float64_and_its_scalar_path(dtype, m, n, k, chunk, parts
     assert got.shape == (parts, m, n) and got.dtype == torch.float32
     ref = _reference(a, w, k, chunk, parts)
     # fp32 accumulation of k products: error ~ k * 2^-24 * sum |a w|
-    bound = k * 2.0**-24 * (a.abs().double() @ w.reshape(n, -1)[:, :k].abs().double().T)
+    bound = k * 2.0**-24 * (a.abs().double() @ _values(w).reshape(n, -1)[:, :k].abs().double().T)
     assert ((got.double() - ref).abs() <= bound + 1e-30).all()
     assert torch.equal(got, _C._stick_gemm(a, w, k, chunk, parts, simd=False))
 
@@ -83,7 +93,7 @@ def test_kernel_rejects_bad_operands():
         _C._stick_gemm(torch.randn(2, 64).half(), w, 64, 64, 1)
     with pytest.raises(RuntimeError, match="k exceeds"):
         _C._stick_gemm(torch.randn(2, 64), w, 65, 65, 1)
-    with pytest.raises(RuntimeError, match="fp16, bf16 or fp32"):
+    with pytest.raises(RuntimeError, match="fp16, bf16, fp32 or int16"):
         _C._stick_gemm(torch.randn(2, 64), w.to(torch.float64), 64, 64, 1)
 
 
@@ -115,6 +125,41 @@ def test_linear_reads_the_weight_in_place(rows, plans):
     # fp32 sums rounded once to fp16: at most one fp16 rounding apart from the CPU's
     want = torch.nn.functional.linear(x.float(), w.float()).half()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+DL16_LINEAR = r"""
+import json, torch, torch_spyre
+from torch_spyre import dl16
+from torch_spyre.sim import direct, executor
+seen = []
+real = direct.plan
+direct.plan = lambda p: (lambda r: (seen.extend(r.values()), r)[1])(real(p))
+executor._runners.clear()
+torch.manual_seed(2)
+out = {}
+for rows in (1, 9):  # the kernel, and the host GEMM on the decoded weight
+    x = torch.randn(rows, 576).half()
+    w = (torch.randn(1536, 576) * 0.05).half()
+    got = torch.nn.functional.linear(x.to("spyre"), w.to("spyre")).cpu().float()
+    xr, wr = dl16.round_trip(x.float()), dl16.round_trip(w.float())
+    want = dl16.round_trip(torch.nn.functional.linear(xr, wr))
+    out[rows] = float(((got - want).abs() / (want.abs() + 1e-3)).max())
+print(json.dumps({"err": out, "dl16_plans": sum(p.dl16 for p in seen)}))
+"""
+
+
+def test_a_dl16_card_reads_its_weights_in_place(spyre_python):
+    """On a DL16 card (TORCH_SPYRE_FP16_FORMAT=dl16, IBM's clients) the kernel
+    decodes the weight's DL16 bits as it reads them: the same values as the
+    decoded weight to fp32 rounding, so results are one DL16 rounding apart
+    at most."""
+    import json
+
+    proc = spyre_python(DL16_LINEAR, TORCH_SPYRE_FP16_FORMAT="dl16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["dl16_plans"] >= 2
+    assert max(res["err"].values()) <= 2.0**-9, res
 
 
 def test_k_split_partial_sums_match_the_einsum_path(plans):

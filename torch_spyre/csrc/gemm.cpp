@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dl16.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -33,7 +35,7 @@ constexpr int kLanes = 16;
 constexpr int kRows = 4;  // rows of a per block
 constexpr int kCols = 4;  // rows of w per block
 
-enum class WType { f16, bf16, f32 };
+enum class WType { f16, bf16, f32, dl16 };
 
 struct Job {
   const float* a;
@@ -61,6 +63,8 @@ inline float w_at(const Job& j, const char* p) {
       return static_cast<float>(*reinterpret_cast<const c10::Half*>(p));
     case WType::bf16:
       return static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p));
+    case WType::dl16:
+      return dl16_decode_one(*reinterpret_cast<const int16_t*>(p));
     default:
       return *reinterpret_cast<const float*>(p);
   }
@@ -109,6 +113,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load_w(const 
   } else if constexpr (WT == WType::bf16) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+  } else if constexpr (WT == WType::dl16) {
+    // dl16_decode_one on 16 lanes: sign, exponent rebiased, 9 fraction bits;
+    // 0 -> +-0, the all-ones magnitude (NINF) -> NaN
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p));
+    __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(u, 15), 31);
+    __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFF));
+    __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_srli_epi32(mag, 9), _mm512_set1_epi32(kBiasShift)), 23);
+    __m512i f = _mm512_slli_epi32(_mm512_and_si512(mag, _mm512_set1_epi32(0x1FF)), 14);
+    __m512i b = _mm512_or_si512(sign, _mm512_or_si512(e, f));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_setzero_si512()), sign);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(kNinf)),
+                              _mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000)));
+    return _mm512_castsi512_ps(b);
   } else {
     return _mm512_maskz_loadu_ps(mask, p);
   }
@@ -216,6 +234,7 @@ BlockFn pick(WType wt, int64_t mr) {
   switch (wt) {
     case WType::f16: return pick_rows<WType::f16>(mr);
     case WType::bf16: return pick_rows<WType::bf16>(mr);
+    case WType::dl16: return pick_rows<WType::dl16>(mr);
     default: return pick_rows<WType::f32>(mr);
   }
 }
@@ -231,7 +250,7 @@ bool have_avx512() {
 }  // namespace
 
 // a: fp32 [M, >= K] (row stride lda, unit column stride); w: [N, K / S, S]
-// (fp16, bf16 or fp32; innermost contiguous).  Returns fp32 [parts, M, N]:
+// (fp16, bf16, fp32 or DL16 bits as int16; innermost contiguous).  Returns fp32 [parts, M, N]:
 // part p sums k in [p * chunk, min(K, (p + 1) * chunk)), as a split of k over
 // cores leaves partial sums (parts = 1, chunk >= K: the whole sum).
 at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64_t chunk,
@@ -247,7 +266,8 @@ at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64
     case at::kHalf: wt = WType::f16; break;
     case at::kBFloat16: wt = WType::bf16; break;
     case at::kFloat: wt = WType::f32; break;
-    default: TORCH_CHECK(false, "stick_gemm: w must be fp16, bf16 or fp32");
+    case at::kShort: wt = WType::dl16; break;  // DL16 bits (the card's 16-bit format)
+    default: TORCH_CHECK(false, "stick_gemm: w must be fp16, bf16, fp32 or int16 (DL16 bits)");
   }
   int64_t m = a.size(0), n = w.size(0);
   at::Tensor out = at::empty({parts, m, n}, a.options());

@@ -1325,11 +1325,16 @@ namespace spyre {
 // gemm.cpp: the executor's matmul against a weight in its stick layout
 at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64_t chunk,
                       int64_t parts, bool simd);
+// dl16.cpp: the card's DL16 format
+at::Tensor dl16_encode(const at::Tensor& values);
+at::Tensor dl16_decode(const at::Tensor& bits);
 }  // namespace spyre
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_stick_gemm", &spyre::stick_gemm, py::arg("a"), py::arg("w"), py::arg("k"),
         py::arg("chunk"), py::arg("parts"), py::arg("simd") = true);
+  m.def("_dl16_encode", &spyre::dl16_encode);
+  m.def("_dl16_decode", &spyre::dl16_decode);
   m.def("_init_cards", &spyre::init_cards);
   m.def("_stats", &spyre::stats);
   m.def("_reset_peak", &spyre::reset_peak);

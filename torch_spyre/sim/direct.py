@@ -6,8 +6,9 @@ kept (``hostviews``), twice the weight's device bytes of host memory.  A
 matmul whose one operand is a model input loaded whole (a weight: an
 ``input`` operand read only by this matmul) instead reads that operand's
 device memory through a strided ``[N, K / S, S]`` view (S elements per
-stick) with ``_C._stick_gemm``: fp16 / bf16 / fp32 products fused into fp32
-accumulators, as the PE array accumulates.  The summation order is the
+stick) with ``_C._stick_gemm``: fp16 / bf16 / fp32 (or, on a DL16 card,
+DL16: ``TORCH_SPYRE_FP16_FORMAT``) products fused into fp32 accumulators, as
+the PE array accumulates.  The summation order is the
 kernel's own, fixed one (csrc/gemm.cpp), not the host BLAS's: the sums are
 fp32 sums of the same products, so the results differ from a host GEMM's in
 the last bits of the fp32 accumulator, and the card's own order is not
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_spyre import layout as layout_mod
+from torch_spyre import dl16
 from torch_spyre.sim.program import Load, Matmul, Program, sole_load
 
 _P = "@"  # the executor's prefix of a per-core partial axis
@@ -75,6 +76,8 @@ class Plan:
     k: int
     chunk: int
     parts: int
+    #: the weight's memory holds DL16 bits (read as int16: the kernel decodes them)
+    dl16: bool = False
 
 
 def plan(program: Program) -> dict[int, Plan]:
@@ -105,8 +108,6 @@ def _plan_one(program: Program, m: int, st: Matmul, weight: str, act: str) -> Pl
     if (
         op.role != "input"
         or lay.dtype not in _WEIGHT_DTYPES
-        or lay.dl16
-        or (lay.dtype != torch.float32 and layout_mod.FP16_FORMAT == "dl16")
         or len(lay.host_size) < 2
         or None in ld.index
     ):
@@ -144,7 +145,7 @@ def _plan_one(program: Program, m: int, st: Matmul, weight: str, act: str) -> Pl
     view = _weight_view(lay, offs[0], sizes[0])
     if view is None or (len(k_dims) > 1 and lay.padded):
         return None
-    return Plan(w, weight, act, n_dim, tuple(k_dims), view, k, chunk, parts)
+    return Plan(w, weight, act, n_dim, tuple(k_dims), view, k, chunk, parts, lay.dl16)
 
 
 def _weight_view(lay, row0: int, rows: int):
@@ -171,11 +172,13 @@ def _weight_view(lay, row0: int, rows: int):
 def build_load(program: Program, s: Load, dims: dict, p: Plan) -> Callable:
     """The weight's load: a strided view of its device memory, no copy."""
     size, stride, offset = p.view
-    operand, out = s.operand, s.buffer
+    operand, out, bits = s.operand, s.buffer, p.dl16
     dims[out] = (p.n_dim, *p.k_dims)
 
     def load(buffers: Buffers, env: dict) -> None:
         mem = buffers[operand]
+        if bits:
+            mem = mem.view(torch.int16)
         env[out] = mem.as_strided(size, stride, mem.storage_offset() + offset)
 
     return load
@@ -236,7 +239,8 @@ def _host_gemm(a: torch.Tensor, w: torch.Tensor, k: int, chunk: int, parts: int)
         a = torch.nn.functional.pad(a, pad).view(rows, parts, chunk)
     out = []
     for n0 in range(0, n, step):
-        wb = w[n0 : n0 + step].reshape(min(step, n - n0), -1)[:, :k].to(torch.float32)
+        wb = w[n0 : n0 + step].reshape(min(step, n - n0), -1)[:, :k]
+        wb = dl16.decode(wb) if wb.dtype == torch.int16 else wb.to(torch.float32)
         if parts == 1:
             out.append(torch.mm(a, wb.t()))
         else:
