@@ -351,18 +351,24 @@ def test_rope_by_2x2_rotation_of_a_fused_qkv_compiles():
 
 def test_kv_cache_update_in_place_runs_on_the_card():
     # a static KV cache: index_copy_ into a graph input (an indirect store, run by
-    # the eager DMA kernel through spyre::index_put) and a kernel reading it after
+    # the eager DMA kernel through spyre::index_put_) and a kernel reading it after;
+    # the cache is written in place: no copy of it, no copy back
     def f(cache, pos, v):
         cache.index_copy_(0, pos, v)
         return cache * 2
 
     c, pos, v = torch.zeros(8, 64), torch.tensor([2, 5]), torch.randn(2, 64)
-    cs = c.to("spyre")
+    cs, dpos, dv = c.to("spyre"), pos.to("spyre"), v.to("spyre")
     before = dict(dispatch_stats.counts("fallback"))
-    out = torch.compile(f, fullgraph=True, dynamic=False)(cs, pos.to("spyre"), v.to("spyre"))
+    cf = torch.compile(f, fullgraph=True, dynamic=False)
+    out = cf(cs, dpos, dv)
     torch.testing.assert_close(out.cpu(), f(c.clone(), pos, v))
     torch.testing.assert_close(cs.cpu(), c.index_copy(0, pos, v))
     assert dispatch_stats.counts("fallback") == before
+    with profile() as prof:
+        cf(cs, dpos, dv)
+    assert [t.kind for t in prof.transfers] == []
+    assert len(prof.kernels) == 2 and "copy" not in prof.kernels[1].name, prof.kernels
 
 
 def test_rope_is_a_permutation_matmul_with_a_fused_epilogue():

@@ -58,17 +58,12 @@ def _(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return weight.new_empty((*indices.shape, weight.shape[-1]))
 
 
-@torch.library.custom_op("spyre::index_put", mutates_args=())
-def index_put(
+@torch.library.custom_op("spyre::index_put_", mutates_args=("x",))
+def index_put_(
     x: torch.Tensor, indices: list[torch.Tensor | None], values: torch.Tensor, accumulate: bool
-) -> torch.Tensor:
-    """``x.index_put(indices, values, accumulate)`` by the device's eager kernel."""
-    return torch.ops.aten.index_put.default(x, indices, values, accumulate)
-
-
-@index_put.register_fake
-def _(x, indices, values, accumulate):
-    return torch.empty_like(x)
+) -> None:
+    """``x.index_put_(indices, values, accumulate)`` by the device's eager kernel, in place."""
+    torch.ops.aten.index_put_.default(x, indices, values, accumulate)
 
 
 @torch.library.custom_op("spyre::gather", mutates_args=())
@@ -174,11 +169,38 @@ _ROUTED = {
         torch.ops.spyre.embedding.default,
         (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
     ),
-    torch.ops.aten.index_put.default: lambda n: (
-        torch.ops.spyre.index_put.default,
-        (n.args[0], n.args[1], n.args[2], n.args[3] if len(n.args) > 3 else False),
-    ),
 }
+
+
+def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
+    """``aten.index_put`` (a functionalized ``index_put_`` / ``index_copy_``: a
+    KV cache write) as ``spyre::index_put_`` under ``auto_functionalized``:
+    Inductor's reinplacing (which runs after this pass) then writes into the
+    tensor in place when nothing reads its old value after, so a cache update
+    moves the new rows, not a copy of the whole cache and a copy back."""
+    import operator
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.index_put.default:
+            continue
+        if not _on_spyre(node):
+            continue
+        x, indices, values = node.args[:3]
+        acc = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        with gm.graph.inserting_before(node):
+            af = gm.graph.call_function(
+                torch.ops.higher_order.auto_functionalized,
+                (torch.ops.spyre.index_put_.default,),
+                {"x": x, "indices": list(indices), "values": values, "accumulate": acc},
+            )
+            new = gm.graph.call_function(operator.getitem, (af, 1))
+        af.meta["val"] = (None, node.meta["val"])
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
 
 
 def _split_piece(p: torch.fx.Node):
@@ -531,6 +553,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         changed = fuse_swiglu(gm) or changed
         changed = fuse_swiglu_residual(gm) or changed
         changed = _fuse_attention_transpose(gm) or changed
+        changed = _index_put_in_place(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
             if route is None or not _on_spyre(node):
