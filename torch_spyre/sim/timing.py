@@ -137,9 +137,6 @@ class _CoreView:
             self.extent[d.name], self.start[d.name], self.tile[d.name] = e, s0, t
             self.ntiles[d.name] = -(-e // t) if e > 0 else 0
 
-    def tiles(self, dim: str) -> int:
-        return self.ntiles[dim]
-
     def dim_sum(self, step: Step, dim: str, f=None) -> float:
         """Sum over the step's instances along ``dim`` of f(length) (None: the
         length itself, whose sum is the extent)."""
