@@ -192,21 +192,23 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
     assert r["decode_vs_sustained_bandwidth_floor"] >= 1.0
     if r["decode_vs_peak_bandwidth_floor"] > 1.3:
         # not met: the calibrated sustained bandwidth alone is 1.72x; the plan
-        # 1.83x (1.06x of the sustained floor; a KV-cache write moves its rows)
-        assert r["decode_vs_peak_bandwidth_floor"] <= 1.84
-        assert r["decode_vs_sustained_bandwidth_floor"] <= 1.07
+        # 1.74x (1.02x of the sustained floor: a KV-cache write moves its rows,
+        # in place, with no copy of the cache)
+        assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
+        assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
     # met: 1.48x (no re-lay copies, residual add in the MLP program, attention
     # stored token-major; performance.md)
     assert r["prefill_vs_compute_floor"] <= 1.5
     # the host path: device bound with the default (assumed) host costs; IBM's
-    # published ~865 ms/token needs ~1.4 ms of host work per kernel of ours
+    # published ~865 ms/token needs ~1.75 ms of host work per kernel of ours
+    # (12 kernels per decode layer: no KV-cache copies)
     h = d["host_path"]
     dec = h["decode"]
     assert dec["device_s"] == pytest.approx(d["decode_s"], rel=1e-9)
     assert dec["device_s"] <= dec["end_to_end_s"] < 1.01 * dec["device_s"] + 1e-4
-    assert not dec["host_bound"] and dec["kernels"] > 500
+    assert not dec["host_bound"] and dec["kernels"] == 495  # 40 layers x 12 + 15
     mid = h["published"]["IBM's stack, mid 2026 (~865 ms/token)"]["dispatch_s"]
-    assert 1.2e-3 < mid < 1.6e-3
+    assert 1.6e-3 < mid < 1.9e-3
     assert "device-only" in text and "end-to-end" in text
 
 
@@ -243,5 +245,5 @@ def test_granite_8b_fp8_estimate_halves_the_decode_floor(tmp_path):
     # every projection a weight stream at the calibrated sustained roof; what is
     # above it (the KV-cache writes, attention, norms, launches) as for fp16
     assert 1.0 <= r["decode_vs_sustained_bandwidth_floor"] <= 1.2
-    assert d["decode_s"] < 0.6 * 147.3e-3  # fp16: 147.3 ms per token
+    assert d["decode_s"] < 0.6 * 140.7e-3  # fp16: 140.7 ms per token
     assert r["prefill_vs_compute_floor"] <= 1.5
