@@ -623,6 +623,9 @@ def _install_fp8_ops() -> None:
 def install() -> None:
     """Put IBM's names in place (idempotent)."""
     from torch_spyre import _C
+    from torch_spyre import layout as layout_mod
+
+    layout_mod.FOREIGN.update(fields=layout_fields, device_dtype=get_device_dtype)
 
     for name, value in (
         ("SpyreTensorLayout", SpyreTensorLayout),

@@ -88,6 +88,13 @@ def stick_elems(dtype: torch.dtype) -> int:
     return STICK_BYTES // dtype.itemsize
 
 
+#: IBM's constructor forms and names, supplied by ``torch_spyre.compat`` when
+#: it installs IBM's API (docs/compat.md), so that this module knows nothing
+#: of it: ``"fields"`` maps their constructor arguments onto ours,
+#: ``"device_dtype"`` a dtype onto their ``DataFormats``.
+FOREIGN: dict[str, Callable] = {}
+
+
 @dataclass(frozen=True, init=False)
 class SpyreTensorLayout:
     """``SpyreTensorLayout(host_size, device_size, dim_map, dtype)``.
@@ -113,10 +120,13 @@ class SpyreTensorLayout:
                 kwargs["dim_map"],
                 kwargs["dtype"],
             )
+        elif "fields" in FOREIGN:
+            host_size, device_size, dim_map, dtype = FOREIGN["fields"](*args, **kwargs)
         else:
-            from torch_spyre import compat
-
-            host_size, device_size, dim_map, dtype = compat.layout_fields(*args, **kwargs)
+            raise TypeError(
+                "SpyreTensorLayout(host_size, device_size, dim_map, dtype); IBM's forms "
+                "need torch_spyre imported (torch_spyre.compat)"
+            )
         object.__setattr__(self, "host_size", tuple(int(s) for s in host_size))
         object.__setattr__(self, "device_size", tuple(int(s) for s in device_size))
         object.__setattr__(self, "dim_map", tuple(int(d) for d in dim_map))
@@ -218,10 +228,10 @@ class SpyreTensorLayout:
 
     @property
     def device_dtype(self):
-        """IBM's name for how device memory stores the elements (a ``DataFormats``)."""
-        from torch_spyre import compat
-
-        return compat.get_device_dtype(self.dtype)
+        """IBM's name for how device memory stores the elements (a ``DataFormats``;
+        the torch dtype before ``torch_spyre.compat`` is installed)."""
+        to_format = FOREIGN.get("device_dtype")
+        return self.dtype if to_format is None else to_format(self.dtype)
 
     @cached_property
     def device_strides(self) -> tuple[int, ...]:

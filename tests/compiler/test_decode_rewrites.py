@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim.kernels import stick_splits
+from torch_spyre.sim.splits import stick_splits
 from torch_spyre.testing import tolerances
 
 H = torch.float16

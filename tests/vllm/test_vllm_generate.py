@@ -120,6 +120,11 @@ def test_layers_run_compiled_one_graph_per_bucket(tiny_llm, tiny_llama_ref, hf_g
     assert buckets == [16, 32]  # max_num_batched_tokens=32
     # warm before the first request: every bucket compiled at start-up, and the head
     assert set(s0["compiled"]["compile_s"]) == set(buckets) and s0["head"]["graphs"] == 1
+    # every graph cacheable by AOTAutograd (a warm start loads it whole:
+    # torch_spyre.compiler.CACHEABLE_FACTORIES)
+    for part in ("compiled", "head"):
+        cache = s0[part]["aot_cache"]
+        assert not cache.get("bypass") and sum(cache.values()) == s0[part]["graphs"], cache
     k0 = _kernel_counts()
     outs = _generate(tiny_llm, prompts, 12)
     k1 = _kernel_counts()

@@ -49,11 +49,43 @@ def register_interface() -> None:
     register_interface_for_device("spyre", SpyreInterface)
 
 
+#: Tensor factories that AOTAutograd's cache may take in a graph.  Its
+#: cacheability check refuses any C-bound torch function it does not list
+#: ("Bypassing autograd cache due to: Unsupported call_function target ...
+#: empty"), and vLLM's attention layers allocate their output with
+#: ``torch.empty``, our generate's masks with ``torch.zeros``: such a graph was
+#: traced through AOTAutograd again on every start, however warm the caches
+#: (~45% of a warm vLLM bucket).  A factory's result depends only on its
+#: arguments, which the cache key holds; Inductor's
+#: ``unsafe_marked_cacheable_functions`` is the public knob for such functions
+#: (the value is part of the key: bump it to drop what was cached).  No random
+#: factory is listed.
+CACHEABLE_FACTORIES = {
+    f"torch.{name}": "torch_spyre-1"
+    for name in (
+        "empty", "empty_strided", "empty_like", "zeros", "zeros_like",
+        "ones", "ones_like", "full", "full_like", "arange",
+    )
+}  # fmt: skip
+
+
+def mark_cacheable_factories() -> None:
+    """Add ``CACHEABLE_FACTORIES`` to Inductor's cacheable functions (what a
+    user put there stays)."""
+    from torch._inductor import config
+
+    marked = getattr(config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):
+        for name, key in CACHEABLE_FACTORIES.items():
+            marked.setdefault(name, key)
+
+
 def register() -> None:
     """The Inductor backend, device interface and device op overrides for spyre."""
     global _registered
     if _registered:
         return
+    mark_cacheable_factories()
     from torch._inductor.codegen.common import (
         register_backend_for_device,
         register_device_op_overrides,

@@ -187,10 +187,13 @@ def layout_of(buffer: str) -> SpyreTensorLayout | None:
     return g.wrapper_code.__dict__.get("_spyre_layouts", {}).get(buffer)
 
 
-def consumers_cost(scheduling, group: set[str], buffer: str, layout: SpyreTensorLayout):
-    """Modelled seconds of the kernels that read ``buffer`` (outside the
-    producer's ``group``) when it is stored in ``layout``: each reading fused
-    group is planned with it.  None when a reader is not a row kernel (a
+def consumers_cost(
+    backend, group: set[str], cfg: HardwareConfig, buffer: str, layout: SpyreTensorLayout
+):
+    """Modelled seconds on ``cfg`` of the kernels that read ``buffer`` (outside
+    the producer's ``group``) when it is stored in ``layout``: each reading
+    fused group is planned with it by ``backend`` (the scheduling's
+    ``_plain`` / ``_plan``).  None when a reader is not a row kernel (a
     matmul, a fallback kernel, the graph output), or cannot read it so."""
     from torch._inductor.scheduler import BaseSchedulerNode
 
@@ -219,21 +222,18 @@ def consumers_cost(scheduling, group: set[str], buffer: str, layout: SpyreTensor
         if u.node.get_name() in group:
             continue
         fused = sched.name_to_fused_node.get(u.node.get_name(), u.node)
-        if not scheduling._plain(fused):
+        if not backend._plain(fused):
             return None
         groups[fused.get_name()] = fused
     if not groups:
         return None
-    from torch_spyre.compiler.scheduling import _planning_config
-
-    cfg = _planning_config()
     total = 0.0
     if layout != SpyreTensorLayout.default(layout.host_size, layout.dtype):
         _TRIAL[buffer] = layout
     _COSTING[0] += 1
     try:
         for fused in groups.values():
-            plan = scheduling._plan(list(fused.get_nodes()))
+            plan = backend._plan(list(fused.get_nodes()))
             total += estimate(plan.program, cfg).time_s
             total += sum(estimate(p.program, cfg).time_s for p in plan.pre)
     except (Unsupported, ProgramError):

@@ -39,7 +39,7 @@ rows) and ``compiler.planner`` (core split, tiles, the cost-driven search).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import sympy
 import torch
@@ -48,6 +48,7 @@ from torch_spyre.compiler import lanes, pieces, planner, trig
 from torch_spyre.compiler.kernel_plan import OperandUse, Plan, Unsupported
 from torch_spyre.compiler.planner import _dkey
 from torch_spyre.compiler.step_rewrites import _live, _rename_step, _reuse_buffers
+from torch_spyre.compiler.values import Scal, Val
 from torch_spyre.compiler.vector_ops import _BINARY, _PY_BINARY, _UNARY
 from torch_spyre.compiler.views import (
     _decompose,
@@ -66,22 +67,6 @@ from torch_spyre.sim import (
     Store,
     Vector,
 )
-
-
-# ----------------------------------------------------------------- values
-@dataclass(frozen=True)
-class Val:
-    """A value in an LX buffer, indexed by iteration variables."""
-
-    buf: str
-    dims: frozenset[str]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class Scal:
-    value: float | int | bool
-    dtype: torch.dtype
 
 
 def _default_numel(size, dtype) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from torch_spyre.compiler import lowering
 from torch_spyre.compiler.nodes import _buffer_info, _static
+from torch_spyre.compiler.values import Scal
 
 MATMULS = (
     "extern_kernels.mm",
@@ -171,13 +172,13 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     alpha = float(node.kwargs.get("alpha", 1))
     beta = float(node.kwargs.get("beta", 1))
     if alpha != 1.0:
-        acc = b.mul(acc, lowering.Scal(alpha, torch.float32))
+        acc = b.mul(acc, Scal(alpha, torch.float32))
     for sc in scales:  # _scaled_mm: scale_a, then scale_b, on the fp32 accumulator
         acc = b.mul(acc, _broadcast_load(b, sc, outv, node.get_name()))
     if bias is not None:
         bval = _broadcast_load(b, bias, outv, node.get_name())
         if beta != 1.0:
-            bval = b.mul(bval, lowering.Scal(beta, torch.float32))
+            bval = b.mul(bval, Scal(beta, torch.float32))
         acc = b.add(acc, bval)
     out = node.get_layout()
     ostr = _static(out.stride, node.get_name())

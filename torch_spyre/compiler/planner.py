@@ -34,8 +34,8 @@ from torch_spyre.sim import (
     Vector,
     estimate,
 )
-from torch_spyre.sim.kernels import stick_splits
 from torch_spyre.sim.program import step_reads, step_writes
+from torch_spyre.sim.splits import stick_splits
 
 
 def _dkey(d: str) -> int:

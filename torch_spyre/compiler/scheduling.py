@@ -244,7 +244,7 @@ class SpyreScheduling(BaseScheduling):
             matmul_steps(b, mm.node)
         group = {n.get_name() for n in nodes}
         # the layout of a stored intermediate, costed with its readers
-        b.readers_cost = functools.partial(layouts.consumers_cost, self, group)
+        b.readers_cost = functools.partial(layouts.consumers_cost, self, group, b.cfg)
         keep = set()
         graph_outs = set(V.graph.get_output_names())
         for n in nodes:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import math
 
+from torch_spyre.compiler.values import Scal
 from torch_spyre.ops.adapters import _COS, _SIN, _TWO_PI_HI, _TWO_PI_LO
 
 
 def trig(builder, x, cos: bool):
     """The steps computing ``cos(x)`` or ``sin(x)`` (``builder``: a lowering.ProgramBuilder)."""
-    from torch_spyre.compiler.lowering import Scal
-
     if isinstance(x, Scal):
         return Scal((math.cos if cos else math.sin)(float(x.value)), x.dtype)
     x = builder._materialise(x)

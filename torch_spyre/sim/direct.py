@@ -51,14 +51,11 @@ def enabled() -> bool:
 
 
 def set_enabled(on: bool) -> bool:
-    """Turn the in-place weight reads on or off (for runners built from now
-    on: the built ones are dropped).  Returns the previous setting."""
+    """Turn the in-place weight reads on or off (the executor rebuilds a
+    program's runner built the other way on its next use).  Returns the
+    previous setting."""
     global _enabled
     prev, _enabled = _enabled, bool(on)
-    if prev != _enabled:
-        from torch_spyre.sim import executor
-
-        executor._runners.clear()
     return prev
 
 

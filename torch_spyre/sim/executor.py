@@ -91,19 +91,21 @@ def execute(program: Program, buffers: Buffers, validate: bool = True) -> None:
     runner(program)(buffers)
 
 
-# program id -> (program, its runner): built once per program object
-_runners: dict[int, tuple[Program, Runner]] = {}
+# program id -> (program, its runner, built with in-place weight reads?): built
+# once per program object, again when ``direct.set_enabled`` changed the path
+_runners: dict[int, tuple[Program, Runner, bool]] = {}
 
 
 def runner(program: Program) -> Runner:
     """The compiled runner of ``program`` (built on first use)."""
     hit = _runners.get(id(program))
-    if hit is not None and hit[0] is program:
+    on = direct.enabled()
+    if hit is not None and hit[0] is program and hit[2] == on:
         return hit[1]
     r = _compile(program)
     if len(_runners) > 8192:
         _runners.clear()
-    _runners[id(program)] = (program, r)
+    _runners[id(program)] = (program, r, on)
     return r
 
 

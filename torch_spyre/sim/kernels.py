@@ -553,16 +553,3 @@ def best_matmul(
     if best is None:
         raise ProgramError(f"no matmul split of {m}x{n}x{k} fits the card")
     return best[1]
-
-
-# ------------------------------------------------------ fused SwiGLU MLP
-
-
-def stick_splits(sticks: int, limit: int) -> list[int]:
-    """Core counts to try for a dim of ``sticks`` whole sticks on at most
-    ``limit`` cores: the powers of two, and the divisors of ``sticks`` (9
-    sticks over 8 cores leave three idle with 2 sticks each; over 9 or 3 every
-    core streams an equal share, which is what a decode projection of K or
-    N = 576 needs to reach the memory roof)."""
-    pows = {1 << i for i in range(limit.bit_length()) if 1 << i <= min(sticks, limit)}
-    return sorted(pows | {d for d in range(3, min(sticks, limit) + 1) if sticks % d == 0})

@@ -24,6 +24,7 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
+from torch_spyre.sim.splits import stick_splits
 
 
 def swiglu_mlp(
@@ -246,7 +247,6 @@ def best_swiglu_mlp(
     core's 256 MiB (Llama-3.1-70B: 8192 x 28672, 14336 per card at TP 2);
     a batch tile of the whole per-core batch lets a decode step's weight
     tiles serve all its requests at once."""
-    from torch_spyre.sim.kernels import stick_splits
     from torch_spyre.sim.timing import estimate
 
     cfg = config or HardwareConfig()

@@ -85,6 +85,7 @@ class CompiledForward:
         self.graphs = 0  # FX graphs handed to Inductor (spyre backend)
         self.calls: Counter[int] = Counter()  # steps per bucket
         self.compile_s: dict[int, float] = {}  # first call per bucket (compile + run)
+        self.cache: Counter[str] = Counter()  # AOTAutograd cache: hit / miss / bypass
         self._bucket: int | None = None
         # one graph per bucket; never fall back to eager silently.  Dynamo's
         # limit counts entries per code object, across every model of the
@@ -103,10 +104,8 @@ class CompiledForward:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         # Inductor (which hands spyre tensors to the spyre scheduling/wrapper):
         # exactly what torch.compile's default backend does, plus a count.
-        from torch._inductor.compile_fx import compile_fx
-
         self.graphs += 1
-        return compile_fx(gm, example_inputs)
+        return _compile_fx(gm, example_inputs, self.cache)
 
     def __call__(
         self,
@@ -163,6 +162,7 @@ class CompiledForward:
             "graphs": self.graphs,
             "calls": dict(self.calls),
             "compile_s": dict(self.compile_s),
+            "aot_cache": dict(self.cache),
         }
 
 
@@ -179,15 +179,14 @@ class CompiledHead:
         self.graphs = 0
         self.calls: Counter[int] = Counter()
         self.compile_s: dict[int, float] = {}
+        self.cache: Counter[str] = Counter()
         self._fn: Callable = torch.compile(
             _linear, backend=self._backend, dynamic=False, fullgraph=True
         )
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
         self.graphs += 1
-        return compile_fx(gm, example_inputs)
+        return _compile_fx(gm, example_inputs, self.cache)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -214,7 +213,25 @@ class CompiledHead:
             "graphs": self.graphs,
             "calls": dict(self.calls),
             "compile_s": dict(self.compile_s),
+            "aot_cache": dict(self.cache),
         }
+
+
+def _compile_fx(gm: torch.fx.GraphModule, example_inputs, cache: Counter[str]):
+    """Inductor's ``compile_fx``; ``cache`` counts the AOTAutograd cache's
+    verdicts (hit, miss, bypass: a warm start loads every graph whole, see
+    ``torch_spyre.compiler.CACHEABLE_FACTORIES``)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    before = dict(counters["aot_autograd"])
+    out = compile_fx(gm, example_inputs)
+    for verdict in ("hit", "miss", "bypass"):
+        key = f"autograd_cache_{verdict}"
+        n = counters["aot_autograd"][key] - before.get(key, 0)
+        if n:
+            cache[verdict] += n
+    return out
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

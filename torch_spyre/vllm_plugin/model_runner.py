@@ -373,11 +373,22 @@ def _checkpoint_bytes(model_config) -> int | None:
     return total
 
 
+# The simulated card's device memory is host memory: without an explicit size the
+# KV cache takes gpu_memory_utilization of the free device memory, capped here so a
+# 112 GiB simulated card does not allocate that much host RAM.
+DEFAULT_KV_CACHE_CAP = 1 << 30
+
+
+def planned_kv_cache_bytes(cache_config, free: int) -> int:
+    """The KV cache the worker will allocate with ``free`` device bytes left."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        return int(cache_config.kv_cache_memory_bytes)
+    return min(int(max(free, 0) * cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
+
+
 def _check_fits(vllm_config, weight_bytes: int | None) -> None:
     """Weights plus the KV cache against the card's device memory, before either
     is allocated: a clear error naming both and what to change."""
-    from torch_spyre.vllm_plugin.worker import planned_kv_cache_bytes
-
     if weight_bytes is None:
         return
     free, total = torch.spyre.mem_get_info()

@@ -16,7 +16,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 
 from torch_spyre.vllm_plugin import metrics
-from torch_spyre.vllm_plugin.model_runner import SpyreModelRunner
+from torch_spyre.vllm_plugin.model_runner import SpyreModelRunner, planned_kv_cache_bytes
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
@@ -52,18 +52,6 @@ def _restore_async_tensor_h2d() -> None:
 
 
 _restore_async_tensor_h2d()
-
-# The simulated card's device memory is host memory: without an explicit size the
-# KV cache takes gpu_memory_utilization of the free device memory, capped here so a
-# 112 GiB simulated card does not allocate that much host RAM.
-DEFAULT_KV_CACHE_CAP = 1 << 30
-
-
-def planned_kv_cache_bytes(cache_config, free: int) -> int:
-    """The KV cache the worker will allocate with ``free`` device bytes left."""
-    if cache_config.kv_cache_memory_bytes is not None:
-        return int(cache_config.kv_cache_memory_bytes)
-    return min(int(max(free, 0) * cache_config.gpu_memory_utilization), DEFAULT_KV_CACHE_CAP)
 
 
 class SpyreWorker(CPUWorker):
