@@ -291,9 +291,11 @@ def test_error_messages_are_checked_for_op_and_shapes():
     named = (
         "spyre has no kernel for aten.cos (torch.float32[4, 3]@spyre:0) and the policy is 'error'"
     )
-    assert opcheck._names_op_and_shape(named, op, (x,))
-    assert not opcheck._names_op_and_shape("kernel 'k': operand 'out' needs 12 elements", op, (x,))
-    assert not opcheck._names_op_and_shape("cos failed", op, (x,))  # no shape
+    assert opcheck.compare._names_op_and_shape(named, op, (x,))
+    assert not opcheck.compare._names_op_and_shape(
+        "kernel 'k': operand 'out' needs 12 elements", op, (x,)
+    )
+    assert not opcheck.compare._names_op_and_shape("cos failed", op, (x,))  # no shape
 
 
 def test_noncontiguous_variant_keeps_views_on_the_device():
@@ -301,7 +303,9 @@ def test_noncontiguous_variant_keeps_views_on_the_device():
     torch.manual_seed(0)
     sample = next(s for s in op.sample_inputs("cpu", torch.float32) if s.input.numel() > 1)
     assert not sample.input.is_contiguous()
-    (moved, _), _ = opcheck._to_device(((sample.input, *sample.args), sample.kwargs), "spyre")
+    (moved, _), _ = opcheck.samples._to_device(
+        ((sample.input, *sample.args), sample.kwargs), "spyre"
+    )
     assert moved[0].device.type == "spyre" and moved[0].stride() == sample.input.stride()
     with pytest.raises(ValueError, match="variant"):
         opcheck.select_ops([], variant="sideways")
