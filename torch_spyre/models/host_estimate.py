@@ -6,10 +6,9 @@ end-to-end figure."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torch_spyre.models.estimate import Estimate, Part
+from torch_spyre.models.estimate_results import Estimate, Part
 
 #: published end-to-end decode figures (shared/hardware.md): which host path
 #: reproduces them is solved for, not assumed
