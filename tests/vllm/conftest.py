@@ -50,9 +50,7 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         nxt = int(out.logits[0, -1].argmax())
         tokens.append(nxt)
-        out = model(
-            input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True
-        )
+        out = model(input_ids=torch.tensor([[nxt]]), cache=out.cache, use_cache=True)
     return tokens
 
 

@@ -198,10 +198,7 @@ def _greedy_with_margins(model, prompt: list[int], n: int) -> tuple[list[int], l
         top = out.logits[0, -1].float().topk(2)
         tokens.append(int(top.indices[0]))
         margins.append(float(top.values[0] - top.values[1]))
-        out = model(
-            input_ids=top.indices[:1].view(1, 1), past_key_values=out.past_key_values,
-            use_cache=True,
-        )  # fmt: skip
+        out = model(input_ids=top.indices[:1].view(1, 1), cache=out.cache, use_cache=True)
     return tokens, margins
 
 
