@@ -115,7 +115,8 @@ def plans(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])
+# 1 and 3 rows: the kernel; GEMV_ROWS + 1: the host GEMM on the re-laid weight
+@pytest.mark.parametrize("rows", [1, 3, direct.GEMV_ROWS + 1])
 def test_linear_reads_the_weight_in_place(rows, plans):
     torch.manual_seed(2)
     x = torch.randn(rows, 576).half()
@@ -137,7 +138,7 @@ direct.plan = lambda p: (lambda r: (seen.extend(r.values()), r)[1])(real(p))
 executor._runners.clear()
 torch.manual_seed(2)
 out = {}
-for rows in (1, 9):  # the kernel, and the host GEMM on the decoded weight
+for rows in (1, direct.GEMV_ROWS + 1):  # the kernel, and the host GEMM on the decoded weight
     x = torch.randn(rows, 576).half()
     w = (torch.randn(1536, 576) * 0.05).half()
     got = torch.nn.functional.linear(x.to("spyre"), w.to("spyre")).cpu().float()

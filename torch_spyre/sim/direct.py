@@ -36,9 +36,11 @@ from torch_spyre.sim.program import Load, Matmul, Program, sole_load
 _P = "@"  # the executor's prefix of a per-core partial axis
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: up to this many rows of the other operand the kernel is faster than a host
-#: GEMM after a re-lay and cast of the weight (``benchmarks/stick_gemm.py``:
-#: 1536x576 fp16, 1 row 64 vs 342 us, 8 rows 432 vs 912 us, 16 rows 858 vs 847 us)
-GEMV_ROWS = 8
+#: GEMM after a re-lay and cast of the weight (``benchmarks/stick_gemm.py``,
+#: kernel / re-lay + GEMM at 16 rows: 0.86 for 1536x576, 0.61 for 576x1536,
+#: 0.23 for 5632x2048; at 32 rows 1536x576 loses, 1.13), and it keeps no host
+#: copy of the weight: vLLM's batch-16 decode bucket reads weights in place
+GEMV_ROWS = 16
 
 Buffers = dict[str, torch.Tensor]
 
