@@ -120,9 +120,6 @@ def test_layers_run_compiled_one_graph_per_bucket(tiny_llm, tiny_llama_ref, hf_g
     assert buckets == [16, 32]  # max_num_batched_tokens=32
     # warm before the first request: every bucket compiled at start-up, and the head
     assert set(s0["compiled"]["compile_s"]) == set(buckets) and s0["head"]["graphs"] == 1
-    # one Dynamo trace of the forward (symbolic token count) serves every
-    # bucket; Inductor compiles it once per bucket
-    assert s0["compiled"]["traces"] == 1 and s0["compiled"]["graphs"] == len(buckets)
     # every graph cacheable by AOTAutograd (a warm start loads it whole:
     # torch_spyre.compiler.CACHEABLE_FACTORIES)
     for part in ("compiled", "head"):
@@ -255,7 +252,7 @@ def test_smollm2_fp16_greedy_matches_cpu_on_five_prompts():
     # decodes (5 tokens) in the 16 bucket; one graph each; the LM head's own graph
     c = state["compiled"]
     assert c["calls"].get(16, 0) >= n - 1 and sum(c["calls"].values()) == state["steps"]
-    assert c["graphs"] == len(c["compile_s"]) == 3 and c["traces"] == 1
+    assert c["graphs"] == len(c["compile_s"]) == 3
     assert state["head"]["graphs"] == 1
 
 

@@ -1,15 +1,12 @@
 """The model forward through the spyre torch.compile backend, one graph per token bucket.
 
 vLLM compiles its models per batch shape (cudagraph capture sizes); the spyre
-backend plans static shapes (docs/compiler.md). The plugin does the same: the
-number of scheduled tokens of a step is padded up to a **bucket** (default 16,
-32, 64, ... doubling up to ``max_num_batched_tokens``, which is always the last
-bucket). Dynamo traces the model forward once, with the token count symbolic
-(the rest static), and Inductor compiles that one graph once per bucket with
-every size concrete (``_PerSize``; spyre tensors reach the spyre Inductor
-backend). So at most one graph per bucket is ever compiled, whatever the
-decode/prefill mix, and the Python-level trace of the model (seconds for a
-whole vLLM model) is paid once, not once per bucket.
+backend compiles statically (``dynamic=False``, docs/compiler.md). The plugin does
+the same: the number of scheduled tokens of a step is padded up to a **bucket**
+(default 16, 32, 64, ... doubling up to ``max_num_batched_tokens``, which is always
+the last bucket), and the model forward for that bucket is compiled once with plain
+``torch.compile`` (spyre tensors reach the spyre Inductor backend). So at most one
+graph per bucket is ever compiled, whatever the decode/prefill mix.
 
 * **Attention stays outside the kernel programs**: the platform reports
   ``opaque_attention_op()``, so vLLM's ``Attention`` layer calls its custom ops
@@ -89,7 +86,6 @@ class CompiledForward:
         self.calls: Counter[int] = Counter()  # steps per bucket
         self.compile_s: dict[int, float] = {}  # first call per bucket (compile + run)
         self.cache: Counter[str] = Counter()  # AOTAutograd cache: hit / miss / bypass
-        self.traces = 0  # graphs Dynamo traced (one for every bucket)
         self._bucket: int | None = None
         # one graph per bucket; never fall back to eager silently.  Dynamo's
         # limit counts entries per code object, across every model of the
@@ -101,16 +97,15 @@ class CompiledForward:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < limit:
                 setattr(dynamo_config, name, limit)
-        self._fn: Callable = torch.compile(model.forward, backend=self._backend, fullgraph=True)
+        self._fn: Callable = torch.compile(
+            model.forward, backend=self._backend, dynamic=False, fullgraph=True
+        )
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         # Inductor (which hands spyre tensors to the spyre scheduling/wrapper):
         # exactly what torch.compile's default backend does, plus a count.
-        self.traces += 1
-        if not any(isinstance(x, torch.SymInt) for x in example_inputs):
-            self.graphs += 1
-            return _compile_fx(gm, example_inputs, self.cache)
-        return _PerSize(gm, self)
+        self.graphs += 1
+        return _compile_fx(gm, example_inputs, self.cache)
 
     def __call__(
         self,
@@ -138,16 +133,8 @@ class CompiledForward:
         pos = _pad(positions, b)
         first = b not in self.compile_s
         t0 = time.perf_counter()
-        # one Dynamo trace for every bucket: the token count is symbolic there,
-        # and Inductor compiles the traced graph once per bucket (_PerSize)
-        torch._dynamo.maybe_mark_dynamic(ids, 0)
-        torch._dynamo.maybe_mark_dynamic(pos, 0)
         try:
-            # only the token count is symbolic: Dynamo's automatic dynamic shapes
-            # would make any size that differs from an earlier trace of the same
-            # code (another model's weights, in one process) symbolic too
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                out = self._fn(input_ids=ids, positions=pos)
+            out = self._fn(input_ids=ids, positions=pos)
         except Exception as e:
             if not first:
                 raise
@@ -173,40 +160,10 @@ class CompiledForward:
         return {
             "buckets": list(self.sizes),
             "graphs": self.graphs,
-            "traces": self.traces,
             "calls": dict(self.calls),
             "compile_s": dict(self.compile_s),
             "aot_cache": dict(self.cache),
         }
-
-
-class _PerSize:
-    """Dynamo's one graph of the forward, symbolic in the token count, compiled
-    by Inductor once per concrete size (the spyre backend plans static shapes):
-    each bucket's first call hands the graph and that call's arguments to
-    ``compile_fx``, whose AOTAutograd trace specialises every size."""
-
-    def __init__(self, gm: torch.fx.GraphModule, owner: CompiledForward) -> None:
-        self.gm = gm
-        self.owner = owner
-        self.compiled: dict[tuple[int, ...], Callable] = {}
-
-    def __call__(self, *args):
-        key = tuple(a for a in args if isinstance(a, int))
-        fn = self.compiled.get(key)
-        if fn is None:
-            from torch._guards import TracingContext, tracing
-            from torch._subclasses.fake_tensor import FakeTensorMode
-            from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-            self.owner.graphs += 1
-            # static fake inputs of this call's shapes; the shape env is what
-            # Inductor's and AOTAutograd's caches key their guards on
-            mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-            with tracing(TracingContext(mode)):
-                fn = _compile_fx(self.gm, list(args), self.owner.cache)
-            self.compiled[key] = fn
-        return fn(*args)
 
 
 class CompiledHead:
