@@ -21,6 +21,7 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 SOURCES = [
     "torch_spyre/csrc/spyre.cpp",
+    "torch_spyre/csrc/warm.cpp",
     "torch_spyre/csrc/gemm.cpp",
     "torch_spyre/csrc/dl16.cpp",
 ]

@@ -187,7 +187,7 @@ launch.on_clear(_C._warm_clear)
 sim_card.on_reset(_ready.clear)
 
 #: the out= overloads PyTorch's composite add/sub/mul/div.Tensor call, by the
-#: C++ warm path's op code (csrc/spyre.cpp, WarmOp), and the executor's form
+#: C++ warm path's op code (csrc/warm.cpp, WarmOp), and the executor's form
 #: of each (sim/executor.py, _same_layout_elementwise) that the C++ repeats
 _WARM = {
     "add.out": (0, "out"),

@@ -39,7 +39,7 @@ def init() -> None:
     # the executor keeps host-layout views of device blocks (sim/hostviews.py)
     VIEWS.bind(_C._block_of, device_bytes_in_use)
     layout.fast_copy = _C._stick_copy
-    # the C++ warm launch path (csrc/spyre.cpp) accounts its launches in C++;
+    # the C++ warm launch path (csrc/warm.cpp) accounts its launches in C++;
     # the cards replay them before anything reads their clocks
     sim_card.bind_launches(_C._warm_drain)
     sim_card.on_reset(_C._warm_clear)  # its entries hold the old cards' modelled times

@@ -3,7 +3,7 @@
 Producers record one event per op call; the coverage tool and the profiler
 read the counts.  Paths: "kernel" (a kernel program on the card), "adapter"
 (rewritten into supported ops), "fallback" (ran on the host).  Calls served
-by the C++ warm launch path (csrc/spyre.cpp) are counted there, under the
+by the C++ warm launch path (csrc/warm.cpp) are counted there, under the
 name the Python path records for them, and folded in here on every read.
 """
 

@@ -688,7 +688,7 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
             finally:
                 written(out)
 
-        # what the runtime's C++ warm path must compute to match (csrc/spyre.cpp)
+        # what the runtime's C++ warm path must compute to match (csrc/warm.cpp)
         run_into.form = "out"  # type: ignore[attr-defined]
         return run_into
 
