@@ -5,7 +5,7 @@
 Each case is a small PyTorch function on fp16 ``spyre`` tensors, compiled with
 ``torch.compile(fullgraph=True)``: once with the compiler's plans
 ("optimised": cost-model core split, ring multicast of shared tiles, fusion,
-LX-resident intermediates) and once with ``compiler.options.planning(naive=True)``
+LX-resident intermediates) and once with ``kernels.options.planning(naive=True)``
 (rows split over the cores, no operand reuse, no fusion, every intermediate
 through device memory); the SwiGLU MLP also with ``planning(fusion=False)``
 (optimised plans, nothing fused).  The kernels that ran are read from the
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import torch_spyre  # noqa: F401  (the spyre device)
 import torch_spyre.profiler as sprof
-from torch_spyre.compiler import options
+from torch_spyre.kernels import options
 from torch_spyre.runtime import cards
 from torch_spyre.sim import timing_only
 

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Buffer, Dim, Load, Matmul, Operand, Program, Reduce, Store, Vector
+from torch_spyre.kernels import eager as programs
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.ops import programs
-from torch_spyre.sim import Buffer, Dim, Load, Matmul, Operand, Program, Reduce, Store, Vector
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.timing import estimate
+from torch_spyre.sim import estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 KTIR_COMMIT = "9e03d63ebc7c415ce494be6be0e85cad530e74cb"

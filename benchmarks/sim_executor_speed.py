@@ -20,8 +20,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
+from torch_spyre import kernels as K  # noqa: E402
 from torch_spyre.sim import SimulatedCard  # noqa: E402
-from torch_spyre.sim import kernels as K  # noqa: E402
 
 
 def _best(fn, repeat: int) -> float:

@@ -1,4 +1,4 @@
-"""The joint fit of the card's modelling constants (torch_spyre/sim/fit.py):
+"""The joint fit of the card's modelling constants (torch_spyre/tools/fit.py):
 residual table, fitted values of both explanations, sensitivity table.
 
     python benchmarks/sim_fit.py        # markdown, as in docs/hardware-model.md
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from torch_spyre.sim import fit
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.tools import fit
 
 
 def _pub(m: fit.Measurement) -> str:

@@ -13,9 +13,10 @@ import os
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch_spyre.profiler as sprof  # noqa: E402
-from torch_spyre.sim import HardwareConfig, SimulatedCard  # noqa: E402
-from torch_spyre.sim import kernels as K  # noqa: E402
-from torch_spyre.sim.calibration import calibration_table  # noqa: E402
+from torch_spyre import kernels as K  # noqa: E402
+from torch_spyre.hardware import HardwareConfig  # noqa: E402
+from torch_spyre.sim import SimulatedCard  # noqa: E402
+from torch_spyre.tools.calibration import calibration_table  # noqa: E402
 
 
 def programs():

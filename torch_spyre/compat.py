@@ -505,7 +505,7 @@ def fallback_warning() -> type[Warning]:
 class InductorConfig(types.ModuleType):
     """``torch_spyre._inductor.config``: IBM's option names over our compiler
     options.  ``sencores`` is the planning core count
-    (``torch_spyre.compiler.options``); every other IBM option is accepted and
+    (``torch_spyre.kernels.options``); every other IBM option is accepted and
     kept, and has no effect here (docs/compat.md says why, per option)."""
 
     #: IBM's options and their defaults; only `sencores` changes our planning
@@ -534,7 +534,7 @@ class InductorConfig(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         if name == "sencores":
-            from torch_spyre.compiler import options
+            from torch_spyre.kernels import options
 
             return options.current().cores or self.DEFAULTS["sencores"]
         values = self.__dict__.setdefault("_values", dict(self.DEFAULTS))
@@ -546,7 +546,7 @@ class InductorConfig(types.ModuleType):
         if name.startswith("__"):
             super().__setattr__(name, value)
         elif name == "sencores":
-            from torch_spyre.compiler import options
+            from torch_spyre.kernels import options
 
             options.configure(cores=None if value is None else int(value))
         else:
@@ -554,7 +554,7 @@ class InductorConfig(types.ModuleType):
 
     @contextlib.contextmanager
     def patch(self, changes: dict[str, Any] | None = None, **kw: Any) -> Iterator[None]:
-        from torch_spyre.compiler import options
+        from torch_spyre.kernels import options
 
         changes = {**(changes or {}), **kw}
         old = {k: options.current().cores if k == "sencores" else getattr(self, k) for k in changes}

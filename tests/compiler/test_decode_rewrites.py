@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch_spyre.kernels.splits import stick_splits
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim.splits import stick_splits
 from torch_spyre.testing import tolerances
 
 H = torch.float16

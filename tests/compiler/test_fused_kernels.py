@@ -16,11 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_spyre.compiler import options
+from torch_spyre import kernels
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Dim, Matmul, Store
+from torch_spyre.kernels import options
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim import Dim, HardwareConfig, Matmul, Store, kernels, timing_only
-from torch_spyre.sim.timing import estimate
+from torch_spyre.sim import estimate, timing_only
 from torch_spyre.testing import tolerances
 
 H = torch.float16
@@ -42,7 +44,7 @@ def _run_compiled(fn, args, dtype, **planning):
 
 def _program(name: str):
     """The kernel program last built under ``name`` (from the kernel cache)."""
-    from torch_spyre.ops import launch
+    from torch_spyre.runtime import launch
 
     progs = [k.program for k in launch._cache.values() if k.program and k.program.name == name]
     assert progs, name
@@ -386,7 +388,7 @@ def _run_tile_by_tile(prog, host):
     ``host``: operand name -> host tensor.  Returns the output (host)."""
     from dataclasses import replace
 
-    from torch_spyre.sim import Load
+    from torch_spyre.ir import Load
     from torch_spyre.sim import executor as ex
 
     dev = {
@@ -434,7 +436,7 @@ def _run_tile_by_tile(prog, host):
 def test_online_softmax_is_right_tile_by_tile(causal):
     """The whole-space executor cannot tell a wrong rescale (it sees every key
     at once); running the key loop tile by tile, as the card does, can."""
-    from torch_spyre.sim import Vector
+    from torch_spyre.ir import Vector
 
     b, hq, hk, s, d = 1, 4, 2, 45, 64
     q, k, v = _qkv(b, hq, hk, s, s, d, torch.float32)

@@ -9,6 +9,7 @@ import torch
 
 import torch_spyre
 from torch_spyre.compiler import lanes
+from torch_spyre.ir import constants
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.testing import tolerances
 
@@ -129,7 +130,7 @@ def test_gather_runs_the_device_kernel():
 
 
 def test_gather_tables():
-    t = lanes.table(8, 1, [(2, 3), (2, 1)], torch.float32)  # lanes 1 + 3 i + k
+    t = constants.table(8, 1, [(2, 3), (2, 1)], torch.float32)  # lanes 1 + 3 i + k
     hits = {(j, i, k) for j, i, k in t.nonzero().tolist()}
     assert hits == {(1, 0, 0), (2, 0, 1), (4, 1, 0), (5, 1, 1)}
     assert lanes.needs_gather(64, [4, 16], 0, 32) and not lanes.needs_gather(64, [2, 32], 0, 32)

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_spyre.compiler import layouts, options, scheduling
+from torch_spyre.compiler import layouts, scheduling
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.kernels import options
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.profiler import profile
-from torch_spyre.sim import HardwareConfig, estimate, execute
+from torch_spyre.sim import estimate, execute
 from torch_spyre.testing import tolerances
 
 H = torch.float16

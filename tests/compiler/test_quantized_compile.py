@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_spyre
-from torch_spyre.compiler import options, scheduling
+from torch_spyre.compiler import scheduling
+from torch_spyre.kernels import options
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import cards
 from torch_spyre.testing import tolerances

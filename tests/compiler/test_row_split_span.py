@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import torch_spyre
-from torch_spyre.ops import launch, programs
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.kernels import eager as programs
+from torch_spyre.runtime import launch
 from torch_spyre.runtime.fallback import fallback_policy
-from torch_spyre.sim import HardwareConfig, execute, timing_only
+from torch_spyre.sim import execute, timing_only
 
 
 def _dims(p) -> dict[str, tuple[int, int | None]]:

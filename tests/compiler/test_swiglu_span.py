@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import torch_spyre
+from torch_spyre import kernels
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import ProgramError
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim import HardwareConfig, ProgramError, execute, kernels, timing_only
-from torch_spyre.sim.timing import estimate
+from torch_spyre.sim import estimate, execute, timing_only
 from torch_spyre.testing import tolerances
 
 H = torch.float16

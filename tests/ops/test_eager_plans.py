@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_spyre.profiler as sprof
-from torch_spyre.compiler import eager_plans
-from torch_spyre.ops import programs
+from torch_spyre.kernels import eager as programs
+from torch_spyre.kernels import plan as eager_plans
 from torch_spyre.sim import timing_only
 
 H = torch.float16
@@ -85,12 +85,12 @@ ONCE = {
 @pytest.mark.parametrize("name", sorted(ONCE))
 def test_planned_once_per_shape(monkeypatch, name):
     calls = []
-    search = eager_plans.planner._plan_dims
+    search = eager_plans._plan_dims
     monkeypatch.setattr(
-        eager_plans.planner, "_plan_dims", lambda *a, **k: calls.append(1) or search(*a, **k)
+        eager_plans, "_plan_dims", lambda *a, **k: calls.append(1) or search(*a, **k)
     )
     eager_plans._plans.clear()
-    from torch_spyre.ops import launch
+    from torch_spyre.runtime import launch
 
     launch.clear_cache()
     a = torch.randn(96, 320, dtype=H)

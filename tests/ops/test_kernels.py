@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_spyre.ops import launch
-from torch_spyre.runtime import cards
+from torch_spyre.runtime import cards, launch
 from torch_spyre.testing import tolerances
 
 DTYPES = [torch.float32, torch.float16]

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import torch_spyre
+from torch_spyre.kernels.moe import grouped_swiglu
 from torch_spyre.ops import moe
 from torch_spyre.runtime import cards
 from torch_spyre.runtime.fallback import fallback_policy
 from torch_spyre.sim import get_card
-from torch_spyre.sim.moe import grouped_swiglu
 from torch_spyre.testing import tolerances
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_spyre
-from torch_spyre.ops import programs
+from torch_spyre.kernels import eager as programs
 from torch_spyre.runtime import cards
 from torch_spyre.testing import tolerances
 

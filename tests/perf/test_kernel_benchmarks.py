@@ -20,8 +20,10 @@ import benchmark_module
 import pytest
 import torch
 
-from torch_spyre.compiler import options, scheduling
-from torch_spyre.sim import RingAllReduce, timing_only
+from torch_spyre.compiler import scheduling
+from torch_spyre.ir import RingAllReduce
+from torch_spyre.kernels import options
+from torch_spyre.sim import timing_only
 
 B = benchmark_module.load("kernels")
 
@@ -226,7 +228,8 @@ def test_plans_compute_the_right_values(case, mode):
 
 
 def test_timing_only_times_without_executing():
-    from torch_spyre.sim import SimulatedCard, kernels, timing_only_active
+    from torch_spyre import kernels
+    from torch_spyre.sim import SimulatedCard, timing_only_active
 
     card = SimulatedCard(0)
     p = kernels.elementwise("add", (64, 128))

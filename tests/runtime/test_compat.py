@@ -170,7 +170,7 @@ def test_inductor_facades():
     from torch_spyre._inductor import config
     from torch_spyre._inductor.constants import DEVICE_NAME, FP8_E4M3FN_MAX
     from torch_spyre._inductor.decompositions import spyre_decompositions
-    from torch_spyre.compiler import options
+    from torch_spyre.kernels import options
 
     assert FP8_E4M3FN_MAX == 448.0 and DEVICE_NAME == "spyre"
     assert spyre_decompositions == {}

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from torch_spyre import _C
-from torch_spyre.ops import launch
-from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.runtime import cards, dispatch_stats, launch
 from torch_spyre.sim import timing_only, trace
 from torch_spyre.sim.hostviews import VIEWS
 

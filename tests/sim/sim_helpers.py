@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.sim import Program
+from torch_spyre.ir import Program
 
 
 def device_buffers(program: Program, **host: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -2,10 +2,10 @@
 
 import torch
 
+from torch_spyre.ir import GroupedProgram, rebase
+from torch_spyre.kernels.basic import elementwise
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import GroupedProgram, get_card
-from torch_spyre.sim.grouped import rebase
-from torch_spyre.sim.kernels import elementwise
+from torch_spyre.sim import get_card
 
 
 def _dev(t):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from torch_spyre.sim import HardwareConfig, hostpath
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import hostpath
 
 CFG = HardwareConfig().replace(
     host_dispatch_s=10e-6, host_descriptor_bytes=0, pcie_latency_s=1e-6, host_sync_s=5e-6

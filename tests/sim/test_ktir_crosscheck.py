@@ -15,8 +15,8 @@ import pytest
 import torch
 from sim_helpers import device_buffers, host_value
 
+from torch_spyre.hardware import HardwareConfig
 from torch_spyre.sim import SimulatedCard
-from torch_spyre.sim.config import HardwareConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

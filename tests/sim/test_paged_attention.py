@@ -9,14 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Load, Program, ProgramError
+from torch_spyre.kernels.flash import PagedKV, best_flash_attention, flash_attention
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim import timing
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.executor import execute
-from torch_spyre.sim.flash import PagedKV, best_flash_attention, flash_attention
-from torch_spyre.sim.program import Load, Program, ProgramError
-from torch_spyre.sim.timing import estimate
+from torch_spyre.sim import estimate, execute, timing
 
 
 def _batch(d: int, seed: int = 0):

@@ -6,7 +6,7 @@ constant that moves them must update docs/hardware-model.md as well.
 
 import pytest
 
-from torch_spyre.sim.calibration import calibration_rows, calibration_table
+from torch_spyre.tools.calibration import calibration_rows, calibration_table
 
 # (modelled value, published value) per row of docs/hardware-model.md
 PINNED = {

@@ -2,8 +2,9 @@ import pytest
 import torch
 from sim_helpers import device_buffers, host_value
 
-from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card, reset_cards, trace
-from torch_spyre.sim import kernels as K
+from torch_spyre import kernels as K
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import SimulatedCard, get_card, reset_cards, trace
 
 
 def test_run_executes_times_and_advances_clock():

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from torch_spyre.sim import HardwareConfig, HardwareConfigError, get_card, parse_size, reset_cards
+from torch_spyre.hardware import HardwareConfig, HardwareConfigError, parse_size
+from torch_spyre.sim import get_card, reset_cards
 
 
 def test_defaults_reproduce_published_figures():

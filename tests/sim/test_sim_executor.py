@@ -13,19 +13,10 @@ import pytest
 import torch
 from sim_helpers import device_buffers, host_value
 
+from torch_spyre import kernels as K
+from torch_spyre.ir import Buffer, Dim, Load, Operand, Program, Store, Vector
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import (
-    Buffer,
-    Dim,
-    Load,
-    Operand,
-    Program,
-    SimulatedCard,
-    Store,
-    Vector,
-    execute,
-)
-from torch_spyre.sim import kernels as K
+from torch_spyre.sim import SimulatedCard, execute
 
 MM_TOL = {"rtol": 1e-3, "atol": 1e-3}
 

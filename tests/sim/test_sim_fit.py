@@ -1,12 +1,12 @@
 """The joint fit of the modelling constants to every published figure is re-run
-here (sim/fit.py; docs/hardware-model.md section 5 shows its tables)."""
+here (tools/fit.py; docs/hardware-model.md section 5 shows its tables)."""
 
 import math
 
 import pytest
 
-from torch_spyre.sim import fit
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.tools import fit
 
 
 @pytest.fixture(scope="module")

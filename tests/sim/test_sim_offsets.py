@@ -7,19 +7,9 @@ import pytest
 import torch
 from sim_helpers import device_buffers, host_value
 
+from torch_spyre.ir import Buffer, Dim, Load, Operand, Program, ProgramError, Store, Vector
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import (
-    Buffer,
-    Dim,
-    Load,
-    Operand,
-    Program,
-    ProgramError,
-    Store,
-    Vector,
-    estimate,
-    execute,
-)
+from torch_spyre.sim import estimate, execute
 
 
 def _program(offsets: tuple[int, ...], rows: int = 5, cols: int = 128) -> Program:

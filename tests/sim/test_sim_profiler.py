@@ -5,8 +5,8 @@ import torch
 from sim_helpers import device_buffers
 
 import torch_spyre.profiler as sprof
+from torch_spyre import kernels as K
 from torch_spyre.sim import get_card
-from torch_spyre.sim import kernels as K
 
 
 def _workload():
@@ -76,8 +76,8 @@ def test_roofline_plot_without_matplotlib(tmp_path, monkeypatch):
 
 
 def test_host_issue_and_device_are_separate_tracks():
+    from torch_spyre.hardware import HardwareConfig
     from torch_spyre.profiler.profile import HOST_TID
-    from torch_spyre.sim import HardwareConfig
 
     cfg = HardwareConfig().replace(host_dispatch_s=40e-6, host_descriptor_bytes=0)
     with sprof.profile(cfg) as prof:

@@ -2,22 +2,22 @@ import pytest
 import torch
 from sim_helpers import device_buffers
 
-from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import (
+from torch_spyre import kernels as K
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
-    HardwareConfig,
     Load,
     LXOverflowError,
     Operand,
     Program,
     ProgramError,
-    SimulatedCard,
     SpanError,
     Store,
     Vector,
 )
-from torch_spyre.sim import kernels as K
+from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.sim import SimulatedCard
 
 ALL = [
     K.elementwise("add", (300, 200)),
@@ -78,7 +78,7 @@ def test_partial_results_must_be_reduced():
         (Buffer("x_t", ("c", "n"), torch.float32), Buffer("r", ("n",), torch.float32)),
         (
             Load("x_t", "x", ("c", "n")),
-            __import__("torch_spyre.sim", fromlist=["Reduce"]).Reduce("sum", "r", "x_t", "c"),
+            __import__("torch_spyre.ir", fromlist=["Reduce"]).Reduce("sum", "r", "x_t", "c"),
             Store("out", "r", ("n",)),
         ),
     )

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from torch_spyre.sim import HardwareConfig, estimate
-from torch_spyre.sim import kernels as K
+from torch_spyre import kernels as K
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import estimate
 
 CFG = HardwareConfig()
 
@@ -117,7 +118,7 @@ def test_double_buffering_overlaps_dma_and_compute():
 _SCRIPT = """
 import json
 from torch_spyre.sim import estimate
-from torch_spyre.sim import kernels as K
+from torch_spyre import kernels as K
 progs = [K.elementwise("add", (300, 200)), K.matmul(512, 4096, 4096), K.softmax(4096, 2048),
          K.rmsnorm(128, 4096), K.ring_allreduce(8, 4096), K.gemv(4096, 25600, cores=25)]
 print(json.dumps([[estimate(p).cycles, estimate(p).time_s, estimate(p).dram_bytes] for p in progs]))

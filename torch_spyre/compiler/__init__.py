@@ -32,11 +32,13 @@ def backend_version() -> str:
 
     root = pathlib.Path(__file__).resolve().parent.parent
     h = hashlib.sha256(torch_spyre.__version__.encode())
-    for sub in ("compiler", "sim", "ops"):
+    for sub in ("compiler", "kernels", "ir", "sim", "runtime", "ops"):
         for p in sorted((root / sub).rglob("*.py")):
             h.update(p.relative_to(root).as_posix().encode())
             h.update(p.read_bytes())
-    h.update((root / "layout.py").read_bytes())
+    for name in ("layout.py", "hardware.py", "settings.py"):
+        if (root / name).exists():
+            h.update((root / name).read_bytes())
     return f"{torch_spyre.__version__}+{h.hexdigest()[:16]}"
 
 

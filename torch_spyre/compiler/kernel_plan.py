@@ -4,10 +4,10 @@
 (``OperandUse``: the wrapper variable, its role, the layout the program reads
 or writes it in, and where a view starts), plus the buffers it keeps in LX,
 a wrapper line to run after the launch and the restickify kernels to launch
-first.  ``Unsupported`` is raised by the builder, the view decomposition and
-the planner for anything a kernel program cannot express (the message names
-it); the scheduling catches it to replan node by node.  Shared by
-``compiler.lowering``, ``compiler.views``, ``compiler.planner``,
+first.  ``Unsupported`` (``kernels/search.py``, re-exported here) is raised
+by the builder, the view decomposition and the planner for anything a kernel
+program cannot express (the message names it); the scheduling catches it to
+replan node by node.  Shared by ``compiler.lowering``, ``compiler.views``,
 ``compiler.layouts`` and the scheduling, so it imports none of them.
 """
 
@@ -15,12 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch_spyre.ir import Program
+from torch_spyre.kernels.search import Unsupported
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import Program
-
-
-class Unsupported(NotImplementedError):
-    """The planner cannot express this in a kernel program (the message says what)."""
 
 
 @dataclass
@@ -47,3 +44,6 @@ class Plan:
     #: kernels to launch first: restickify plans writing an input operand in
     #: the layout this kernel reads it in (``compiler.layouts``)
     pre: list[Plan] = field(default_factory=list)
+
+
+__all__ = ["OperandUse", "Plan", "Unsupported"]

@@ -10,8 +10,8 @@ element 56) — is therefore planned as
     load the whole sticks covering the range  ->  x[..., j]       (DMA)
     x @ E,  E[j, p, w] = 1 where j = off + flat(p, w)               (PE array)
 
-with ``E`` a constant 0/1 table (made once per kernel and card, like the
-iota tables).  Exact: every output is one product ``x * 1`` accumulated in
+with ``E`` a constant 0/1 table (``ir/constants.py``: made once per kernel
+and card, like the iota tables).  Exact: every output is one product ``x * 1`` accumulated in
 fp32 with zeros (an infinite or NaN input would spread through ``0 * inf``,
 as in the RoPE lane shuffle).  The cost is a matmul of the covered lanes by
 the piece's elements per row, on the PE array (the modelled time says so);
@@ -21,11 +21,6 @@ ranges larger than ``MAX_TABLE`` elements are refused.
 from __future__ import annotations
 
 import math
-
-import torch
-
-#: operand roles the runtime fills with constant tables (not graph tensors)
-CONST_ROLES = ("iota", "eye")
 
 #: largest gather table (covered lanes x piece elements): 256 KiB in fp32
 MAX_TABLE = 1 << 16
@@ -77,22 +72,3 @@ def stick_terms(index, sizes, strides, offset, ranges: dict[str, int]):
     if first + sum(c * (ranges.get(v, 1) - 1) for v, c in terms) >= n:
         return None
     return sympy.expand(rest - first), terms, first
-
-
-def table_key(lanes: int, off: int, pieces: list[tuple[int, int]], dtype: torch.dtype) -> str:
-    p = ",".join(f"{n}*{c}" for n, c in pieces)
-    return f"eye:{lanes}:{off}:{p}:{str(dtype).removeprefix('torch.')}"
-
-
-def table(lanes: int, off: int, pieces, dtype: torch.dtype) -> torch.Tensor:
-    """``E[j, i_1, ..., i_r]`` = 1 where ``j == off + sum_k c_k i_k`` for pieces
-    ``(n_k, c_k)`` (size, lane stride): [lanes, n_1, ..., n_r] on the host."""
-    sizes = [n for n, _ in pieces]
-    pos = torch.full(sizes, off, dtype=torch.int64) if sizes else torch.tensor(off)
-    for k, (n, c) in enumerate(pieces):
-        shape = [1] * len(sizes)
-        shape[k] = n
-        pos = pos + (torch.arange(n) * c).reshape(shape)
-    out = torch.zeros(lanes, *sizes, dtype=dtype)
-    out.reshape(lanes, -1)[pos.reshape(-1), torch.arange(pos.numel())] = 1
-    return out

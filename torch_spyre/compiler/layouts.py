@@ -45,8 +45,10 @@ from dataclasses import replace
 
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Buffer, Load, ProgramError, Store
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import Buffer, HardwareConfig, Load, ProgramError, Store, estimate
+from torch_spyre.sim import estimate
 
 #: choose layouts by cost (False: every operand in its buffer's default
 #: layout; for comparisons).  Part of no cache key: compile afresh after
@@ -85,8 +87,9 @@ def restickify_plan(src: SpyreTensorLayout, dst: SpyreTensorLayout, buffer: str,
     """The kernel program that copies a buffer from layout ``src`` to ``dst``
     (same host sizes): tiles loaded in sticks of one dim, stored in sticks of
     the other; core split and tiles chosen like any row kernel's."""
-    from torch_spyre.compiler import planner
-    from torch_spyre.compiler.kernel_plan import OperandUse, Plan, Unsupported
+    from torch_spyre.compiler.kernel_plan import OperandUse, Plan
+    from torch_spyre.kernels import plan as planner
+    from torch_spyre.kernels.search import Unsupported
 
     if src.host_size != dst.host_size or src.dtype != dst.dtype:
         raise ValueError(f"restickify between {src} and {dst}: host sizes and dtypes must match")
@@ -197,7 +200,7 @@ def consumers_cost(
     matmul, a fallback kernel, the graph output), or cannot read it so."""
     from torch._inductor.scheduler import BaseSchedulerNode
 
-    from torch_spyre.compiler.kernel_plan import Unsupported
+    from torch_spyre.kernels.search import Unsupported
 
     g = _graph()
     sched = getattr(g, "scheduler", None)
@@ -250,7 +253,8 @@ def choose_output(plan, replan, readers_cost, cfg: HardwareConfig):
     (``readers_cost(buffer, layout)``: seconds of the kernels reading it, or
     None when they cannot read it so).  No restickify: the producer writes
     the layout its readers prefer."""
-    from torch_spyre.compiler.kernel_plan import Plan, Unsupported
+    from torch_spyre.compiler.kernel_plan import Plan
+    from torch_spyre.kernels.search import Unsupported
 
     if not ENABLED or _COSTING[0]:  # no choices inside the costing of another one
         return plan
@@ -295,7 +299,8 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
     pays: returns the plan (unchanged, or re-planned with ``plan.pre``
     holding the restickify plans to launch first).  ``replan(ops)`` plans the
     same kernel with other operand layouts."""
-    from torch_spyre.compiler.kernel_plan import Plan, Unsupported
+    from torch_spyre.compiler.kernel_plan import Plan
+    from torch_spyre.kernels.search import Unsupported
 
     if not ENABLED:
         return plan

@@ -32,8 +32,8 @@ This module holds the builder (``ProgramBuilder``, the ops handler); the
 pieces it uses live beside it: ``compiler.kernel_plan`` (``Plan``,
 ``OperandUse``, ``Unsupported``), ``compiler.vector_ops`` (the vector ops
 added to the simulator), ``compiler.views`` (index decomposition, view
-layouts), ``compiler.step_rewrites`` (dead steps, LX reuse, multi-pass
-rows) and ``compiler.planner`` (core split, tiles, the cost-driven search).
+layouts), ``kernels.rewrites`` (dead steps, LX reuse, multi-pass
+rows) and ``kernels.plan`` (core split, tiles, the cost-driven search).
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ from dataclasses import replace
 import sympy
 import torch
 
-from torch_spyre.compiler import lanes, pieces, planner, trig
-from torch_spyre.compiler.kernel_plan import OperandUse, Plan, Unsupported
-from torch_spyre.compiler.planner import _dkey
-from torch_spyre.compiler.step_rewrites import _live, _rename_step, _reuse_buffers
+from torch_spyre.compiler import lanes, pieces, trig
+from torch_spyre.compiler.kernel_plan import OperandUse, Plan
 from torch_spyre.compiler.values import Scal, Val
 from torch_spyre.compiler.vector_ops import _BINARY, _PY_BINARY, _UNARY
 from torch_spyre.compiler.views import (
@@ -57,16 +55,13 @@ from torch_spyre.compiler.views import (
     strided_view,
     view_layout,
 )
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Buffer, Load, Matmul, Reduce, Store, Vector, constants
+from torch_spyre.kernels import plan as planner
+from torch_spyre.kernels.plan import _dkey
+from torch_spyre.kernels.rewrites import _live, _rename_step, _reuse_buffers
+from torch_spyre.kernels.search import Unsupported
 from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, stick_elems
-from torch_spyre.sim import (
-    Buffer,
-    HardwareConfig,
-    Load,
-    Matmul,
-    Reduce,
-    Store,
-    Vector,
-)
 
 
 def _default_numel(size, dtype) -> int:
@@ -101,7 +96,7 @@ class ProgramBuilder:
         self, buffer_info, config: HardwareConfig | None = None, simplify=None, naive: bool = False
     ) -> None:
         self._simplify = simplify
-        #: plan as a naive backend would (``compiler.options.planning(naive=True)``)
+        #: plan as a naive backend would (``kernels.options.planning(naive=True)``)
         self.naive = naive
         #: name -> (size, stride, offset, dtype) of every Inductor buffer / graph input
         self.buffer_info = buffer_info
@@ -409,7 +404,7 @@ class ProgramBuilder:
             block = self._load_pieces(name, dims, size, dtype)
         # a block this group loaded already carries its own lane variable
         j = next((d for d in block.dims if self.uf.find(d) == self.uf.find(str(j))), str(j))
-        key = lanes.table_key(cover, first - lo, parts, dtype)
+        key = constants.table_key(cover, first - lo, parts, dtype)
         use = self.operands.get(("eye", key))
         vs = [v for v, _ in terms]
         if use is None:

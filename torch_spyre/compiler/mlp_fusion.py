@@ -143,7 +143,7 @@ def fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
     """``mm(silu(x @ wg.T) * (x @ wu.T), wd.T)`` -> ``spyre::swiglu_mlp``: one
     program with both matmuls on the shared activation, the epilogue in LX
     and the down projection fed from LX (``ops/mlp.py``)."""
-    from torch_spyre.compiler import options
+    from torch_spyre.kernels import options
     from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp)
 
     if not options.current().fuse:
@@ -245,7 +245,7 @@ def fuse_swiglu_residual(gm: torch.fx.GraphModule) -> bool:
     layer's residual add, with Granite's residual multiplier) ->
     ``spyre::swiglu_mlp_add``: the add is the down projection's epilogue, so
     the MLP output never makes a separate pass through device memory."""
-    from torch_spyre.compiler import options
+    from torch_spyre.kernels import options
     from torch_spyre.ops import mlp  # noqa: F401  (registers spyre::swiglu_mlp_add)
 
     if not options.current().fuse:

@@ -477,7 +477,7 @@ def _fuse_attention_transpose(gm: torch.fx.GraphModule) -> bool:
     """``clone(permute(spyre.attention(...), [0, 2, 1, 3]))`` (the
     ``transpose(1, 2).contiguous()`` after SDPA) -> ``spyre::attention_bshd``:
     the flash program stores its output token-major, no permute pass."""
-    from torch_spyre.compiler import options
+    from torch_spyre.kernels import options
     from torch_spyre.ops import attention  # noqa: F401  (registers the ops)
 
     if not options.current().fuse:
@@ -574,7 +574,8 @@ class SpyreGraphPass(CustomGraphModulePass):
             gm.recompile()
 
     def uuid(self) -> str:
-        from torch_spyre.compiler import backend_version, options
+        from torch_spyre.compiler import backend_version
+        from torch_spyre.kernels import options
 
         # planning options (naive plans, fewer cores) shape the code too
         return "torch_spyre.compiler:" + backend_version() + ":" + options.current().key()

@@ -26,7 +26,7 @@ from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
-from torch_spyre.compiler import lanes, layouts, lowering, options
+from torch_spyre.compiler import layouts, lowering
 from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
@@ -35,6 +35,8 @@ from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layou
     _storage_name,
     run_nodes,
 )
+from torch_spyre.ir import constants
+from torch_spyre.kernels import options
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import cards
 
@@ -309,7 +311,7 @@ class SpyreScheduling(BaseScheduling):
                     stored[u.buffer] = u.layout  # its readers read it so
         kname = _define(wrapper, plan)
         args = ", ".join(
-            _storage_name(u.buffer) for u in plan.operands if u.role not in lanes.CONST_ROLES
+            _storage_name(u.buffer) for u in plan.operands if u.role not in constants.CONST_ROLES
         )
         wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
         if plan.after:
@@ -448,7 +450,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                 args = ", ".join(
                     f"{var}[{names.index(u.buffer)}]" if u.buffer in names else u.buffer
                     for u in plan.operands
-                    if u.role not in lanes.CONST_ROLES
+                    if u.role not in constants.CONST_ROLES
                 )
                 pending = _PendingMatmul(node, var, names, len(self.lines), None)
                 pending.plan = plan
@@ -462,7 +464,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
 
     def write_header(self) -> None:
         super().write_header()
-        self.header.writeline("from torch_spyre.compiler import runtime as spyre_rt")
+        self.header.writeline("from torch_spyre.runtime import compiled as spyre_rt")
 
     def memory_plan_reuse(self) -> None:
         """Inductor's buffer reuse, keyed also by shape and strides on spyre.
@@ -472,7 +474,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
         freed buffer of the same byte size for any shape
         (``reinterpret_tensor``), and a kernel reading or writing that view in
         another shape's layout needs a whole re-layout copy (a d2d pass per
-        use, ``compiler/runtime.py``).  Reusing only same-shape buffers keeps
+        use, ``runtime/compiled.py``).  Reusing only same-shape buffers keeps
         every kernel operand whole and in its own layout."""
         from torch._inductor.codegen import wrapper
 

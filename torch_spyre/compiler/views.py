@@ -17,7 +17,7 @@ import math
 
 import sympy
 
-from torch_spyre.compiler.kernel_plan import Unsupported
+from torch_spyre.kernels.search import Unsupported
 from torch_spyre.layout import SpyreTensorLayout, stick_elems
 
 

@@ -267,7 +267,7 @@ static std::vector<std::pair<std::string, int64_t>> warm_counts() {
 }
 
 // The kernel-cache hits of launches served since the last call
-// (ops/launch.py counts one per warm launch).
+// (runtime/launch.py counts one per warm launch).
 static int64_t warm_take_hits() {
   std::lock_guard<std::mutex> lock(g_warm_mutex);
   int64_t n = g_warm_hits;

@@ -302,8 +302,8 @@ def estimate(
 
     import torch_spyre
     from torch_spyre import models
+    from torch_spyre.hardware import HardwareConfig
     from torch_spyre.runtime import cards, dispatch_stats
-    from torch_spyre.sim import HardwareConfig
     from torch_spyre.sim import timing_only as timing_only_mode
 
     t_wall = time.perf_counter()

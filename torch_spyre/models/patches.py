@@ -100,7 +100,7 @@ class ChunkedLinear(nn.Module):
     """An output projection split over its output features (the vocabulary).
 
     One core of a matmul addresses at most ``per_core_span_bytes`` of device
-    memory (256 MiB on the card, torch_spyre/sim/config.py): a Gemma-3
+    memory (256 MiB on the card, torch_spyre/hardware.py): a Gemma-3
     lm_head (262144 x 640 fp32 = 640 MiB) is rejected as one kernel and would
     run through the host fallback every forward, copying the weight over PCIe.
     A core's span is at most the size of the operand it reads, so chunks of at

@@ -1,7 +1,7 @@
 """Scaled dot-product attention as one flash-attention kernel program.
 
 ``spyre::attention(q, k, v, mask, scale, is_causal)`` runs
-``sim.kernels.best_flash_attention`` on the card: per block of queries the
+``kernels.basic.best_flash_attention`` on the card: per block of queries the
 Q tile stays in LX, K/V tiles stream through, ``q @ k^T`` on the PE array,
 online softmax on the vector units, ``p @ v`` accumulated in LX; scores never
 reach device memory.  Grouped KV heads (``hq = g * hk``) are read once per
@@ -17,7 +17,7 @@ this device kernel (counted as ``kernel``, never a host fallback).  What the
 kernel does not serve (dropout, gradients, other ranks, a mask together with
 ``is_causal``, a V head size unlike Q's) takes PyTorch's math decomposition,
 op by op on the card, as before; so does a graph planned with
-``compiler.options.planning(naive=True)`` (the baseline).
+``kernels.options.planning(naive=True)`` (the baseline).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import math
 
 import torch
 
-from torch_spyre.ops import launch, operands
-from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -190,7 +189,7 @@ def _mask_operand(mask: torch.Tensor, b: int, hq: int, sq: int, skv: int):
 
 
 def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False, softcap=None, sinks=None):
-    from torch_spyre.sim import kernels
+    from torch_spyre import kernels
 
     b, hq, sq, d = q.shape
     hk, skv = k.shape[1], k.shape[2]
@@ -266,7 +265,7 @@ def _routable(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
         return False
     if any(t.device != q.device for t in (k, v, mask) if t is not None):
         return False
-    from torch_spyre.compiler import options
+    from torch_spyre.kernels import options
 
     return not options.current().naive
 

@@ -4,7 +4,7 @@ PyTorch routes convolutions of out-of-tree devices to
 ``convolution_overrideable``.  The one transformers' decoders use is the
 causal depthwise conv1d of Mamba-2 layers (``nn.Conv1d(groups=channels)``,
 kernel 4, padding 3, then sliced to the sequence; decode steps run it with
-padding 0 on the cached window): it runs as ``sim.ssm.depthwise_conv1d``.
+padding 0 on the cached window): it runs as ``kernels.ssm.depthwise_conv1d``.
 The input is made time-major and zero-padded (one DMA pass, channels
 become the stick dim so the taps are row shifts), the weights are laid out
 tap-major ([K, C], a few KB); the program stores the result in the
@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.ops import launch, operands
 from torch_spyre.ops.registry import kernel
-from torch_spyre.runtime import cards
+from torch_spyre.runtime import cards, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _depthwise_1d(x, weight, bias, stride, padding, dilation, transposed, groups):
     """The depthwise conv1d kernel, or None when the call is another convolution."""
-    from torch_spyre.sim import ssm
+    from torch_spyre.kernels import ssm
 
     if x.dim() == 4 and weight.dim() == 4 and x.shape[2] == 1 and weight.shape[2] == 1:
         # PyTorch runs conv1d as a conv2d of height 1 on this dispatch key

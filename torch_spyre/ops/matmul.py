@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.ops import launch, operands, programs
+from torch_spyre.kernels import eager as programs
 from torch_spyre.ops.registry import kernel, out_variant
+from torch_spyre.runtime import launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

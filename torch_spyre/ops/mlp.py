@@ -3,7 +3,7 @@ the ``silu(g) * u`` epilogue in LX, and the down projection fed from LX.
 
 ``spyre::swiglu_mlp(x, wg, wu, wd)`` = ``F.linear(F.silu(F.linear(x, wg)) *
 F.linear(x, wu), wd)`` (nn.Linear weights, no biases) runs
-``sim.kernels.best_swiglu_mlp`` on the card.  The spyre post-grad pass
+``kernels.basic.best_swiglu_mlp`` on the card.  The spyre post-grad pass
 (``compiler/passes.py``) routes that pattern of a compiled graph here; the
 eager op is callable directly.
 
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.ops import launch, operands
-from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -64,7 +63,7 @@ def _(x, wg, wu, wd, res, scale):
 
 
 def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
-    from torch_spyre.sim import kernels
+    from torch_spyre import kernels
 
     if x.dtype not in _FLOATS or not (x.dtype == wg.dtype == wu.dtype == wd.dtype):
         return None

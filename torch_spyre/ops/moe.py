@@ -15,7 +15,7 @@ On spyre it runs as
    modelled): they size the phases of the grouped program, as any
    grouped-GEMM launcher needs them;
 3. the slots' activations and routing weights scattered to their rows (DMA);
-4. **one grouped kernel** (``sim.moe.grouped_swiglu``): one phase per expert
+4. **one grouped kernel** (``kernels.moe.grouped_swiglu``): one phase per expert
    with tokens, the fused SwiGLU program of its rows on all cores, each row
    scaled by its routing weight before the store;
 5. the **combine**: each token's k rows gathered back (DMA) and summed.
@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.ops import launch, operands
 from torch_spyre.ops.registry import kernel
-from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 #: activations the grouped program has a vector op for (transformers ACT2FN names)
@@ -98,7 +97,7 @@ def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
 
 
 def _device_moe(x, idx, w, w13, w2, act):
-    from torch_spyre.sim import moe
+    from torch_spyre.kernels import moe
 
     if act not in ACTIVATIONS or x.dtype not in _FLOATS or x.dim() != 2 or idx.dim() != 2:
         return None
@@ -158,7 +157,7 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     (rows past the last group are zero): the grouped matmul program, one
     phase per non-empty group.  Other forms (3-D ``a``, a bias, another output
     dtype) take the host fallback."""
-    from torch_spyre.sim import moe
+    from torch_spyre.kernels import moe
 
     if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None:
         return NotImplemented

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from torch_spyre.ops import indexing, launch, programs
+from torch_spyre.kernels import eager as programs
+from torch_spyre.ops import indexing
+from torch_spyre.runtime import launch
 from torch_spyre.runtime.fallback import run_on_values
 
 #: aten base names served here

@@ -7,8 +7,9 @@ import math
 import torch
 from torch._decomp import decomposition_table
 
-from torch_spyre.ops import launch, operands, programs
+from torch_spyre.kernels import eager as programs
 from torch_spyre.ops.registry import NoKernel, kernel
+from torch_spyre.runtime import launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -7,7 +7,7 @@ values, token-major pages).  ``q_rows`` [R, Q] int32 holds the token row of
 each request's query positions (-1: padding), ``kv_rows`` [R, S] int32 the
 cache slot of each of its context positions (padding masked), ``mask``
 [R, 1, Q, S] bool what each query sees (causal after the cached context, a
-sliding window).  On the card this is ``sim.flash`` with ``PagedKV``: the
+sliding window).  On the card this is ``kernels.flash`` with ``PagedKV``: the
 cores read the slot tables into LX, then the K/V pages straight from the
 cache (one DMA descriptor per page), the flash-attention loop in LX, and
 scatter each query's output row into ``out`` [T, H, D]; no gathered copy of
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from torch_spyre.ir import Buffer, Dim, Load, Operand, Program, Store
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.ops import attention, launch, operands
-from torch_spyre.runtime import cards, dispatch_stats
-from torch_spyre.sim.program import Buffer, Dim, Load, Operand, Program, Store
+from torch_spyre.ops import attention
+from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 
 @torch.library.custom_op("spyre::paged_attention", mutates_args=("out",))
@@ -58,7 +58,7 @@ def _(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks, block_
 
 
 def _device(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks, block) -> bool:
-    from torch_spyre.sim.flash import PagedKV, best_flash_attention
+    from torch_spyre.kernels.flash import PagedKV, best_flash_attention
 
     t, h, d = query.shape
     kvh = kv_cache.shape[-2]

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from torch_spyre import _C
+from torch_spyre.ir import vector_ops as sim_ops
+from torch_spyre.ir.vector_ops import VECTOR_OPS
+from torch_spyre.kernels import eager as programs
 from torch_spyre.layout import FP8_DTYPES, SUPPORTED_DTYPES
-from torch_spyre.ops import errors, launch, operands, programs
-from torch_spyre.runtime import cards, scalars
+from torch_spyre.ops import errors
+from torch_spyre.runtime import cards, launch, operands, scalars
 from torch_spyre.sim import card as sim_card
 from torch_spyre.sim import executor as sim_executor
-from torch_spyre.sim import ops as sim_ops
-from torch_spyre.sim.ops import VECTOR_OPS
 
 # Ops the vector unit evaluates with its transcendental path (a table lookup /
 # iteration per element); everything else is one simple vector operation.

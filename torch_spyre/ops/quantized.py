@@ -40,11 +40,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from torch_spyre.kernels import eager as programs
+from torch_spyre.kernels import quant as quant_programs
 from torch_spyre.layout import FP8_DTYPES
-from torch_spyre.ops import launch, operands, programs, quant_programs
 from torch_spyre.ops.matmul import _bias, _lhs, _rhs
 from torch_spyre.ops.registry import NoKernel, kernel
-from torch_spyre.runtime import dispatch_stats
+from torch_spyre.runtime import dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 #: the 8-bit types of quantised data

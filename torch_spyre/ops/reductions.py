@@ -11,9 +11,10 @@ import math
 
 import torch
 
-from torch_spyre.ops import launch, operands, programs
+from torch_spyre.ir import vector_ops as sim_ops
+from torch_spyre.kernels import eager as programs
 from torch_spyre.ops.registry import NoKernel, kernel, out_variant
-from torch_spyre.sim import ops as sim_ops
+from torch_spyre.runtime import launch, operands
 
 # name -> (fn(x, dim), identity for padding uneven core splits, combinable)
 _REDUCTIONS = {

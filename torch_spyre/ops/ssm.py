@@ -4,7 +4,7 @@
   the discretisation (``softplus(dt + dt_bias)`` clamped, ``x * dt``,
   ``A * dt`` and its within-chunk cumulative sum) as eager kernels, the
   padding to whole chunks as DMA, then the three-phase grouped kernel
-  ``sim.ssd.ssd_chunk_scan`` (chunk states, state passing chunk after chunk,
+  ``kernels.ssd.ssd_chunk_scan`` (chunk states, state passing chunk after chunk,
   chunk outputs).  Returns ``(y fp32 [b, s, h, p], final state fp32)``.
 * ``spyre::ssm_step`` — ``mamba2_selective_state_update`` (decode): one
   program updating the state in place and producing the output.
@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_spyre.ops import launch, operands
-from torch_spyre.runtime import cards, dispatch_stats
+from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _masks: dict[tuple[int, int], torch.Tensor] = {}
@@ -104,7 +103,7 @@ def _(x, dt, A, B, C, D, dt_bias, initial_states, chunk_size, dt_min, dt_max):
 
 
 def _device_chunk_scan(x, dt, A, B, C, D, dt_bias, init, chunk, dt_min, dt_max):
-    from torch_spyre.sim import ssd
+    from torch_spyre.kernels import ssd
 
     if x.dim() != 4 or x.dtype not in _FLOATS or B.dim() != 4 or C.shape != B.shape:
         return None
@@ -198,7 +197,7 @@ def _(state, x, dt, A, B, C, D, dt_bias):
 
 
 def _device_step(state, x, dt, A, B, C, D, dt_bias):
-    from torch_spyre.sim import ssd
+    from torch_spyre.kernels import ssd
 
     if x.dim() != 3 or x.dtype not in _FLOATS or state.dtype not in _FLOATS:
         return None
@@ -263,7 +262,7 @@ def _(x, z, weight, eps):
 
 
 def _device_norm(x, z, weight, eps):
-    from torch_spyre.sim import ssd
+    from torch_spyre.kernels import ssd
 
     if x.dtype not in _FLOATS or z.dtype not in _FLOATS or z.shape != x.shape:
         return None

@@ -7,10 +7,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from torch_spyre.sim import trace
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.timing import KernelReport
-from torch_spyre.sim.trace import KernelRecord, Record, TransferRecord
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import KernelRecord, KernelReport, TransferRecord, trace
+from torch_spyre.sim.trace import Record
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 
 from torch_spyre import _C, layout
-from torch_spyre.sim import HardwareConfig, SimulatedCard, get_card, timing_only_active, trace
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import SimulatedCard, get_card, timing_only_active, trace
 from torch_spyre.sim import card as sim_card
 from torch_spyre.sim.hostviews import VIEWS
 

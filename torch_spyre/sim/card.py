@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import GroupedProgram, Program
 from torch_spyre.sim import trace
-from torch_spyre.sim.config import HardwareConfig
 from torch_spyre.sim.executor import runner
-from torch_spyre.sim.grouped import GroupedProgram, estimate_grouped
-from torch_spyre.sim.program import Program
+from torch_spyre.sim.grouped import estimate_grouped
 from torch_spyre.sim.timing import KernelReport, estimate
 
 MAX_CARDS = 8

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from torch_spyre import dl16
-from torch_spyre.sim.program import Load, Matmul, Program, sole_load
+from torch_spyre.ir import Load, Matmul, Program, sole_load
 
 _P = "@"  # the executor's prefix of a per-core partial axis
 _WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -27,11 +27,7 @@ import torch
 
 from torch_spyre import dl16
 from torch_spyre import layout as layout_mod
-from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import direct
-from torch_spyre.sim import ops as ops_mod
-from torch_spyre.sim.hostviews import VIEWS
-from torch_spyre.sim.program import (
+from torch_spyre.ir import (
     Load,
     Matmul,
     Program,
@@ -44,6 +40,10 @@ from torch_spyre.sim.program import (
     sole_load,
     transfer_dims,
 )
+from torch_spyre.ir import vector_ops as ops_mod
+from torch_spyre.layout import SpyreTensorLayout
+from torch_spyre.sim import direct
+from torch_spyre.sim.hostviews import VIEWS
 
 _P = "@"  # prefix of a per-core partial axis name
 _HALF = (torch.float16, torch.bfloat16)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.hardware import HardwareConfig
 
 
 @dataclass(frozen=True)

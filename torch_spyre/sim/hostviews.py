@@ -223,7 +223,7 @@ def _budget_from_env() -> int | float | None:
         return None
     if raw.endswith("x"):
         return float(raw[:-1])
-    from torch_spyre.sim.config import parse_size
+    from torch_spyre.hardware import parse_size
 
     return int(parse_size(raw))
 

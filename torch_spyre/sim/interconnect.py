@@ -26,7 +26,7 @@ and overlap the next ring step.  Bytes are whole sticks of device memory.
 
 from __future__ import annotations
 
-from torch_spyre.sim.config import HardwareConfig
+from torch_spyre.hardware import HardwareConfig
 
 COLLECTIVES = (
     "all_reduce",

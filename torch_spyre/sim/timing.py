@@ -28,9 +28,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from torch_spyre.sim import ops as ops_mod
-from torch_spyre.sim.config import HardwareConfig, pe_rate
-from torch_spyre.sim.program import (
+from torch_spyre.hardware import HardwareConfig, pe_rate
+from torch_spyre.ir import (
     Load,
     Matmul,
     Program,
@@ -42,6 +41,7 @@ from torch_spyre.sim.program import (
     Vector,
     transfer_dims,
 )
+from torch_spyre.ir import vector_ops as ops_mod
 
 UNITS = ("dma", "pe", "vector", "ring")
 

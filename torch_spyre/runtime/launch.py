@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from torch_spyre import _C
-from torch_spyre.ops import operands
-from torch_spyre.runtime import cards
-from torch_spyre.sim import KernelReport, Program, ProgramError
-from torch_spyre.sim import ops as sim_ops
+from torch_spyre.ir import Program, ProgramError
+from torch_spyre.ir import vector_ops as sim_ops
+from torch_spyre.runtime import cards, operands
+from torch_spyre.sim import KernelReport
 
 
 @dataclass

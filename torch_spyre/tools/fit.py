@@ -32,9 +32,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torch_spyre.sim import kernels as K
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.timing import estimate
+from torch_spyre import kernels as K
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import estimate
 
 #: the card properties the figures constrain, with physical bounds (all
 #: "assumed" or "calibrated" in HardwareConfig; none is published).  The

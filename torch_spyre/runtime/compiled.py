@@ -3,7 +3,7 @@
 The wrapper module Inductor writes for a spyre graph holds each fused kernel
 as the JSON of its kernel program (so the FX graph cache replays the very
 program that was planned) and calls ``CompiledKernel.run`` with the graph's
-tensors.  Launch goes through ``torch_spyre.ops.launch.Kernel``, like eager
+tensors.  Launch goes through ``torch_spyre.runtime.launch.Kernel``, like eager
 ops: the modelled report is computed once per card, a warm launch binds
 device memory and runs.
 """
@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from torch_spyre.ops import launch, operands
-from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim import Program
+from torch_spyre.ir import Program, constants
+from torch_spyre.runtime import dispatch_stats, launch, operands
 
 
 class CompiledKernel:
@@ -46,15 +45,13 @@ class CompiledKernel:
         return t
 
     def _eye(self, name: str, shape, device: torch.device) -> torch.Tensor:
-        """A lane-gather table (``compiler/lanes.py``), copied once per kernel and card."""
+        """A lane-gather table (``ir/constants.py``), copied once per kernel and card."""
         key = (name, device.index)
         t = self._tables.get(key)
         if t is None:
-            from torch_spyre.compiler import lanes
-
             dtype = self.program.operand(name).layout.dtype
             pieces = list(zip(shape[2::2], shape[3::2]))  # (size, lane stride) per piece
-            host = lanes.table(shape[0], shape[1], pieces, dtype)
+            host = constants.table(shape[0], shape[1], pieces, dtype)
             t = self._tables[key] = host.to(device)
         return t
 

@@ -7,8 +7,7 @@ from typing import Any, Self
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim.steps import (
+from torch_spyre.ir.steps import (
     _STEP_TYPES,
     Buffer,
     Dim,
@@ -23,6 +22,7 @@ from torch_spyre.sim.steps import (
     Vector,
     _fmt_bytes,
 )
+from torch_spyre.layout import SpyreTensorLayout
 
 
 class ProgramText:

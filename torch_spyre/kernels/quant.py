@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Buffer, Load, Operand, Program, Store, Vector
+from torch_spyre.ir import vector_ops as sim_ops
+from torch_spyre.kernels.basic import broadcast_index
+from torch_spyre.kernels.eager import _core_dims, _loop_prefix
 from torch_spyre.layout import SpyreTensorLayout, stick_elems
-from torch_spyre.ops.programs import _core_dims, _loop_prefix
-from torch_spyre.sim import Buffer, HardwareConfig, Load, Operand, Program, Store, Vector
-from torch_spyre.sim import ops as sim_ops
-from torch_spyre.sim.kernels import broadcast_index
 
 # vector ops of the (de)quantisation programs (append-only: "simple" class,
 # one pass per stick like a cast)

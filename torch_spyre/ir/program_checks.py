@@ -7,10 +7,9 @@ from typing import Self
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import ops as ops_mod
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.steps import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import vector_ops as ops_mod
+from torch_spyre.ir.steps import (
     SCANS,
     Load,
     LXOverflowError,
@@ -27,6 +26,7 @@ from torch_spyre.sim.steps import (
     step_writes,
     transfer_dims,
 )
+from torch_spyre.layout import SpyreTensorLayout
 
 
 class ProgramChecks:
@@ -102,7 +102,7 @@ class ProgramChecks:
                 if s.op not in ops_mod.VECTOR_OPS:
                     raise ProgramError(
                         f"{at}: unknown vector op {s.op!r}; known: {', '.join(sorted(ops_mod.VECTOR_OPS))}"
-                        " (add ops with torch_spyre.sim.register_op)"
+                        " (add ops with torch_spyre.ir.register_op)"
                     )
                 od = ops_mod.VECTOR_OPS[s.op]
                 if len(s.inputs) != od.num_inputs:

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.program import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
     Load,
@@ -30,6 +29,7 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
+from torch_spyre.layout import SpyreTensorLayout, ceil_div
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,7 @@ def best_flash_attention(
     """The flash-attention program the timing model finds fastest: core
     splits (query heads of a group on one core, or on several with K/V
     multicast), query and key tiles that fit the LX, double buffered or not."""
-    from torch_spyre.sim.timing import estimate
+    from torch_spyre.sim import estimate
 
     cfg = config or HardwareConfig()
     g = hq // hk if hk and hq % hk == 0 else 1

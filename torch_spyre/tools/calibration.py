@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch_spyre.sim import kernels as K
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.timing import estimate
+from torch_spyre import kernels as K
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.sim import estimate
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,16 @@
   units: ``K`` reads of the input per output tile, as a dataflow core without
   a sliding-window buffer does it.
 
-The scans are in ``sim/ssd.py``.
+The scans are in ``kernels/ssd.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Buffer, Dim, Load, Operand, Program, Store, Vector
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.program import Buffer, Dim, Load, Operand, Program, Store, Vector
 
 
 def depthwise_conv1d(

@@ -1,7 +1,7 @@
 """The SwiGLU MLP as one kernel program (``swiglu_mlp``) and the split and
 tiles the timing model finds fastest for it (``best_swiglu_mlp``); re-exported
-by ``sim.kernels``.  Used by the eager and compiled MLP op (``ops/mlp.py``) and
-the grouped experts of a mixture of experts (``sim/moe.py``)."""
+by ``kernels.basic``.  Used by the eager and compiled MLP op (``ops/mlp.py``) and
+the grouped experts of a mixture of experts (``kernels/moe.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import math
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.program import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
     Load,
@@ -24,7 +23,8 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
-from torch_spyre.sim.splits import stick_splits
+from torch_spyre.kernels.splits import stick_splits
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
 
 def swiglu_mlp(
@@ -247,7 +247,7 @@ def best_swiglu_mlp(
     core's 256 MiB (Llama-3.1-70B: 8192 x 28672, 14336 per card at TP 2);
     a batch tile of the whole per-core batch lets a decode step's weight
     tiles serve all its requests at once."""
-    from torch_spyre.sim.timing import estimate
+    from torch_spyre.sim import estimate
 
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)

@@ -11,13 +11,8 @@ import math
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
-from torch_spyre.sim.config import HardwareConfig
-
-# flash attention lives in sim/flash.py, the SwiGLU MLP in sim/swiglu.py;
-# re-exported where the builders always were
-from torch_spyre.sim.flash import best_flash_attention, flash_attention  # noqa: F401
-from torch_spyre.sim.program import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
     Load,
@@ -30,7 +25,12 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
-from torch_spyre.sim.swiglu import best_swiglu_mlp, swiglu_mlp  # noqa: F401
+
+# flash attention lives in kernels/flash.py, the SwiGLU MLP in kernels/swiglu.py;
+# re-exported where the builders always were
+from torch_spyre.kernels.flash import best_flash_attention, flash_attention  # noqa: F401
+from torch_spyre.kernels.swiglu import best_swiglu_mlp, swiglu_mlp  # noqa: F401
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
 
 def _cores(config: HardwareConfig | None, cores: int | None, size: int) -> int:
@@ -531,7 +531,7 @@ def best_matmul(
     operand traffic than they gain) with the default tiles; a closed-form
     estimate costs about a millisecond, so this suits a kernel cache.
     """
-    from torch_spyre.sim.timing import estimate
+    from torch_spyre.sim import estimate
 
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)

@@ -26,11 +26,17 @@ from functools import lru_cache
 
 import torch
 
+from torch_spyre import kernels
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
+    GroupedProgram,
+    Program,
+    ProgramError,
+    Vector,
+    rebase,
+    scale_rows_before_store,
+)
 from torch_spyre.layout import SpyreTensorLayout
-from torch_spyre.sim import kernels
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.grouped import GroupedProgram, rebase, scale_rows_before_store
-from torch_spyre.sim.program import Program, ProgramError, Vector
 
 
 @lru_cache(maxsize=256)
@@ -138,7 +144,7 @@ def _named(p: Program, name: str) -> Program:
 
 
 def _with_activation(p: Program, act: str) -> Program:
-    from torch_spyre.sim import ops as sim_ops
+    from torch_spyre.ir import vector_ops as sim_ops
 
     if act not in sim_ops.VECTOR_OPS:
         raise ProgramError(f"grouped experts: no vector op for the activation {act!r}")

@@ -8,7 +8,7 @@ a row kernel (``_pipelined_tiles``), each fitted to the LX budget by
 shrinking tiles (``_fit``, ``_lx_total``; rows streamed or re-planned as
 several passes, ``_balance_row_tiles``) and the cheapest by the timing
 model (``sim.estimate``) kept.  Used by ``compiler.lowering``,
-``compiler.layouts`` and ``compiler.eager_plans``.
+``compiler.layouts`` and ``kernels.plan``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from torch_spyre.compiler import lanes
-from torch_spyre.compiler.kernel_plan import Unsupported
-from torch_spyre.compiler.step_rewrites import _multipass, _stream_rows
-from torch_spyre.layout import ceil_div, stick_elems
-from torch_spyre.sim import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Dim,
-    HardwareConfig,
     Load,
     Matmul,
     Operand,
@@ -30,12 +26,18 @@ from torch_spyre.sim import (
     ProgramError,
     Reduce,
     RingAllReduce,
+    Scan,
     Store,
     Vector,
-    estimate,
+    constants,
+    step_reads,
+    step_writes,
 )
-from torch_spyre.sim.program import step_reads, step_writes
-from torch_spyre.sim.splits import stick_splits
+from torch_spyre.kernels.rewrites import _multipass, _stream_rows
+from torch_spyre.kernels.search import Unsupported
+from torch_spyre.kernels.splits import stick_splits
+from torch_spyre.layout import ceil_div, stick_elems
+from torch_spyre.sim import estimate
 
 
 def _dkey(d: str) -> int:
@@ -47,10 +49,10 @@ def _matmul_split(
 ):
     """Core split, tiles and loops of a kernel built around one PE-array matmul:
     batch dims over cores first, then the output plane over ``mn`` = (pm, pn)
-    cores (``n`` in whole sticks; default: ``sim.kernels.default_matmul_split``);
+    cores (``n`` in whole sticks; default: ``kernels.basic.default_matmul_split``);
     ``k`` streamed through the LX in tiles (``default_matmul_tiles``).
     None when the shape is not (batch, rows, one n, k)."""
-    from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
+    from torch_spyre.kernels.basic import default_matmul_split, default_matmul_tiles
 
     a, b, o = (set(buffers[x].dims) for x in (mm.a, mm.b, mm.out))
     kd = sorted((a & b) - o, key=_dkey)
@@ -438,7 +440,7 @@ def _fit(
             name=name,
             dims=dims,
             operands=tuple(
-                Operand(u.name, u.layout, "input" if u.role in lanes.CONST_ROLES else u.role)
+                Operand(u.name, u.layout, "input" if u.role in constants.CONST_ROLES else u.role)
                 for u in ops
             ),
             buffers=tuple(buffers.values()),
@@ -548,3 +550,65 @@ def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget
         f *= 2
     tiles.update(best[2])
     return best[1]
+
+
+# ------------------------------------------------- eager programs, replanned
+# The compiler's plan search for eager kernels (issue 18).
+#
+# An eager op builds its program with a fixed recipe (``kernels/eager.py``: the
+# default core split, no operand multicast); the compiler chooses among
+# candidate splits, tiles and multicast with the cost model
+# (``planner._plan_dims``).  ``plan`` runs that same search on an eager
+# program, so an eager ``a @ b`` is modelled as the compiler would run it
+# alone, not up to 7x slower.  Row kernels (layer / RMS norm) take the same
+# search: their rows spread over all cores (the recipe puts whole stat
+# sticks, 32 rows, on a core) and tiled so the row loop is a pipeline.  The
+# result is cached per program (the eager layer also caches the kernel per
+# shape), so the hot path plans once.
+#
+# Only the dims' split, tiles and loops and the loads' multicast change: the
+# steps, buffers and operands are the eager program's, so the numbers it
+# computes are the same.
+
+_plans: dict[tuple, Program] = {}
+
+
+def _renamed(s, ren: dict[str, str]):
+    def names(xs):
+        return tuple(ren.get(x, x) if x is not None else None for x in xs)
+
+    kw: dict = {"loops": names(s.loops)}
+    if isinstance(s, Load | Store):
+        kw["index"] = names(s.index)
+    if isinstance(s, Reduce | Scan):
+        kw["dim"] = ren[s.dim]
+    return replace(s, **kw)
+
+
+def replan(program: Program, cfg: HardwareConfig) -> Program:
+    """``program`` with the compiler's choice of split, tiles and multicast;
+    ``program`` itself when the search does not serve it (e.g. no plan fits)."""
+    key = (program, cfg)
+    hit = _plans.get(key)
+    if hit is not None:
+        return hit
+    # the compiler names dims x0, x1, ... (outer to inner); the reduced ones
+    # are those no store writes (a matmul's k) and those a row step walks
+    # whole (a norm's or softmax's row: never split over cores)
+    ren = {d.name: f"x{i}" for i, d in enumerate(program.dims)}
+    stored = {d for s in program.steps if isinstance(s, Store) for d in s.index if d}
+    rows = {s.dim for s in program.steps if isinstance(s, Reduce | Scan)}
+    reduced = frozenset(ren[d.name] for d in program.dims if d.name not in stored or d.name in rows)
+    steps = [_renamed(s, ren) for s in program.steps]
+    buffers = {b.name: replace(b, dims=tuple(ren[d] for d in b.dims)) for b in program.buffers}
+    sizes = {ren[d.name]: d.size for d in program.dims}
+    try:
+        planned = _plan_dims(
+            program.name, steps, buffers, list(program.operands), sizes, reduced, cfg
+        )
+    except (Unsupported, ValueError):
+        planned = program
+    if len(_plans) > 4096:
+        _plans.clear()
+    _plans[key] = planned
+    return planned

@@ -8,11 +8,10 @@ import math
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
-from torch_spyre.sim import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
-    HardwareConfig,
     Load,
     Matmul,
     Operand,
@@ -22,7 +21,8 @@ from torch_spyre.sim import (
     Store,
     Vector,
 )
-from torch_spyre.sim.kernels import broadcast_index, fit_tiles
+from torch_spyre.kernels.basic import broadcast_index, fit_tiles
+from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
 
 def _split(shape: tuple[int, ...], cores: int, stick: int) -> tuple[int, int, int | None]:
@@ -224,9 +224,9 @@ def _rowwise_dims(
 def _compiler_plan(prog: Program, cfg: HardwareConfig) -> Program:
     """``prog`` with the compiler's split / tiles / multicast search (its
     steps stay): an eager kernel modelled as the same op compiled alone."""
-    from torch_spyre.compiler import eager_plans
+    from torch_spyre.kernels.plan import replan
 
-    return eager_plans.plan(prog, cfg)
+    return replan(prog, cfg)
 
 
 def op_keeps_acc(op: str) -> bool:
@@ -258,7 +258,7 @@ def matmul(
     """``out = alpha * (a @ b) [* scales] [+ beta * bias]`` over named dims.
 
     ``planned``: the core split, tiles and multicast chosen by the compiler's
-    cost-model search (``compiler/eager_plans.py``: an eager matmul is
+    cost-model search (``kernels/plan.py``: an eager matmul is
     modelled as the same matmul compiled alone); False keeps the default
     recipe below (rows and columns by ``default_matmul_split``, no multicast).
 
@@ -283,7 +283,7 @@ def matmul(
       ``scale_a`` and ``scale_b`` of a W8A8 matmul, whose 8-bit ``a`` and
       ``b`` the PE array consumes at its 8-bit rate).
     """
-    from torch_spyre.sim.kernels import default_matmul_split, default_matmul_tiles
+    from torch_spyre.kernels.basic import default_matmul_split, default_matmul_tiles
 
     cfg = config or HardwareConfig()
     a_dt, b_dt, out_dt = a_dtype or dtype, b_dtype or dtype, out_dtype or dtype

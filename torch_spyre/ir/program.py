@@ -38,13 +38,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_spyre.layout import ceil_div
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.program_checks import ProgramChecks
-from torch_spyre.sim.program_text import ProgramText
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir.program_checks import ProgramChecks
+from torch_spyre.ir.program_text import ProgramText
 
-# the program's vocabulary (its pieces live in sim/steps.py) is imported from here
-from torch_spyre.sim.steps import (
+# the program's vocabulary (its pieces live in ir/steps.py) is imported from here
+from torch_spyre.ir.steps import (
     SCANS,
     Buffer,
     Dim,
@@ -65,6 +64,7 @@ from torch_spyre.sim.steps import (
     step_writes,
     transfer_dims,
 )
+from torch_spyre.layout import ceil_div
 
 __all__ = [
     "SCANS",

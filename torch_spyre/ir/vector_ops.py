@@ -1,9 +1,10 @@
 """The vocabulary of compute steps: op name -> torch function and cost class.
 
 Producers name ops by string in kernel programs; the executor looks the
-function up here and the timing model the cost class.  Register new ops with
-``register_op`` / ``register_reduction`` (e.g. from an eager-op module); a
-program naming an unknown op is rejected at validation.
+function up here and the timing model the cost class.  The table below is
+every op a kernel builder or the compiler names; the eager layer adds one op
+per aten overload and static arguments it runs (named ``aten.*``, through
+``register_op``).  A program naming an unknown op is rejected at validation.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def vector_op(name: str) -> VectorOpDef:
     except KeyError:
         raise KeyError(
             f"unknown vector op {name!r}; known: {', '.join(sorted(VECTOR_OPS))}. "
-            f"Add it with torch_spyre.sim.ops.register_op."
+            f"Add it to the table in torch_spyre/ir/vector_ops.py."
         ) from None
 
 
@@ -121,14 +122,49 @@ register_reduction("sum", lambda x, d: x.sum(d), 0.0)
 register_reduction("max", lambda x, d: x.amax(d), -math.inf)
 register_reduction("min", lambda x, d: x.amin(d), math.inf)
 
-# Appended for the flash-attention program (sim.kernels.flash_attention);
-# append-only, and the compiler registers the same names only if absent.
+# the flash-attention program (kernels/flash.py) and the compiler's lowering
 for _name, _fn, _cls, _n in [
     # no buffer input: fills its whole output buffer with the scalar
     ("fill", lambda v: torch.tensor(v, dtype=torch.float32), _S, 0),
     ("le", torch.le, _S, 2),
     # x where keep, else the scalar (a masked select: one pass per stick)
     ("keep_or_fill", lambda x, keep, v: torch.where(keep.bool(), x, v), _S, 2),
+    ("erf", torch.erf, _T, 1),
+    ("maximum_scalar", lambda x, s: torch.clamp_min(x, s), _S, 1),
+    ("minimum_scalar", lambda x, s: torch.clamp_max(x, s), _S, 1),
+    ("where", torch.where, _S, 3),
+    ("lt", torch.lt, _S, 2),
+    ("gt", torch.gt, _S, 2),
+    ("ge", torch.ge, _S, 2),
+    ("eq", torch.eq, _S, 2),
+    ("ne", torch.ne, _S, 2),
+    ("logical_and", torch.logical_and, _S, 2),
+    ("logical_or", torch.logical_or, _S, 2),
+    ("logical_not", torch.logical_not, _S, 1),
+    ("pow", torch.pow, _T, 2),
+    ("log1p", torch.log1p, _T, 1),
+    ("expm1", torch.expm1, _T, 1),
+    ("sign", torch.sign, _S, 1),
+    # T5's fp16 overflow guard: isinf(x).any() picks the clamp bound
+    ("isinf", torch.isinf, _S, 1),
+    # range reduction of sin/cos (compiler/trig.py)
+    ("round", torch.round, _S, 1),
+    # modular index arithmetic (a rolled sliding-window cache): a division
+    ("fmod", torch.fmod, _T, 2),
+    ("remainder", torch.remainder, _T, 2),
+    ("isnan", torch.isnan, _S, 1),
+    # the first input repeated along the dims of the second (which only gives shape)
+    ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], _S, 2),
 ]:
-    if _name not in VECTOR_OPS:
-        register_op(_name, _fn, _cls, _n)
+    register_op(_name, _fn, _cls, _n)
+
+register_reduction("any", lambda x, d: x.bool().any(d), 0.0)
+# online softmax statistics of a streamed row (kernels/rewrites.py,
+# ``_online_softmax``): a running max m and sum s, rescaled by
+# exp(m_old - m_new) per tile; per input stick: max, subtract, exp, accumulate
+register_reduction(
+    "logsumexp",
+    lambda x, d: torch.logsumexp(x, d),
+    -math.inf,
+    extra_cost=("simple", "simple", "transcendental"),
+)

@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre.layout import SpyreTensorLayout, ceil_div
-from torch_spyre.sim.config import HardwareConfig
-from torch_spyre.sim.grouped import GroupedProgram
-from torch_spyre.sim.program import (
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import (
     Buffer,
     Dim,
+    GroupedProgram,
     Load,
     Matmul,
     Operand,
@@ -46,6 +45,7 @@ from torch_spyre.sim.program import (
     Store,
     Vector,
 )
+from torch_spyre.layout import SpyreTensorLayout, ceil_div
 
 F32 = torch.float32
 

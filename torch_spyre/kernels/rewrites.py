@@ -8,7 +8,7 @@ rewrites: whether rows longer than the LX can be streamed in one pass
 use a reduction's result (``_multipass``), with softmax's max and sum in
 one pass (``_online_softmax``) and a norm's variance summed with its mean
 (``_one_pass_variance``).  Pure functions of steps and buffers: the
-planner (``compiler.planner``) calls them.
+planner (``kernels.plan``) calls them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from dataclasses import replace
 import torch
 
 # registers the vector ops these rewrites emit (logsumexp, maximum_scalar)
-from torch_spyre.compiler import vector_ops  # noqa: F401
-from torch_spyre.sim import Buffer, Load, Matmul, Reduce, Store, Vector
+from torch_spyre.ir import Buffer, Load, Matmul, Reduce, Store, Vector
 
 
 def _rename_step(s, ren: dict[str, str]):

@@ -1,4 +1,4 @@
-"""The pieces of a kernel program (sim/program.py): its dims, operands, LX
+"""The pieces of a kernel program (ir/program.py): its dims, operands, LX
 buffers and steps, which buffers each step reads and writes, and the
 program errors."""
 
