@@ -89,7 +89,7 @@ def test_planned_once_per_shape(monkeypatch, name):
     monkeypatch.setattr(
         eager_plans, "_plan_dims", lambda *a, **k: calls.append(1) or search(*a, **k)
     )
-    eager_plans._plans.clear()
+    eager_plans._REPLANNED.clear()
     from torch_spyre.runtime import launch
 
     launch.clear_cache()

@@ -47,6 +47,7 @@ import torch
 
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import Buffer, Load, ProgramError, Store
+from torch_spyre.kernels.search import Found, Search
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.sim import estimate
 
@@ -254,7 +255,6 @@ def choose_output(plan, replan, readers_cost, cfg: HardwareConfig):
     None when they cannot read it so).  No restickify: the producer writes
     the layout its readers prefer."""
     from torch_spyre.compiler.kernel_plan import Plan
-    from torch_spyre.kernels.search import Unsupported
 
     if not ENABLED or _COSTING[0]:  # no choices inside the costing of another one
         return plan
@@ -274,23 +274,21 @@ def choose_output(plan, replan, readers_cost, cfg: HardwareConfig):
         if base_readers is None:
             continue
         base_t = estimate(plan.program, cfg).time_s + base_readers
-        best: tuple = (base_t, plan, None)
-        for lay in cands:
-            new_u = replace(u, layout=lay)
-            ops = [new_u if x is u else x for x in plan.operands]
-            try:
-                prog = replan(ops)
-            except (Unsupported, ProgramError):
-                continue
-            r = readers_cost(u.buffer, lay)
-            if r is None:
-                continue
-            t = estimate(prog, cfg).time_s + r
-            if t < best[0]:
-                best = (t, Plan(prog, ops, plan.removed, plan.after, plan.pre), lay)
-        if best[2] is not None and best[0] <= base_t * (1 - MIN_GAIN):
-            DECISIONS.append((u.buffer, best[2], base_t, best[0]))
-            plan = best[1]
+
+        def build(lay, u=u, plan=plan):
+            ops = [replace(u, layout=lay) if x is u else x for x in plan.operands]
+            prog = replan(ops)
+            return Plan(prog, ops, plan.removed, plan.after, plan.pre), readers_cost(u.buffer, lay)
+
+        found = Search(
+            build, cfg, validate=False, fits=lambda b: b[1] is not None,
+            cost=lambda b: estimate(b[0].program, cfg).time_s + b[1],
+            baseline=Found(None, (plan, base_readers), base_t),
+        )  # fmt: skip
+        best = found.run(cands)
+        if best.candidate is not None and best.time_s <= base_t * (1 - MIN_GAIN):
+            DECISIONS.append((u.buffer, best.candidate, base_t, best.time_s))
+            plan = best.result[0]
     return plan
 
 
@@ -300,7 +298,6 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
     holding the restickify plans to launch first).  ``replan(ops)`` plans the
     same kernel with other operand layouts."""
     from torch_spyre.compiler.kernel_plan import Plan
-    from torch_spyre.kernels.search import Unsupported
 
     if not ENABLED:
         return plan
@@ -312,33 +309,38 @@ def choose(plan, replan, buffer_info, cfg: HardwareConfig):
     if not any(c for _, _, c in choices):
         return plan
     base_t = estimate(plan.program, cfg).time_s
-    best: tuple = (base_t, plan)
     done = copies()
-    for u, _info, cands in choices:
-        for lay in cands:
-            have = done.get((u.buffer, lay))
-            target = have or f"{u.buffer}_st{lay.stick_dim}"
-            new_u = replace(u, layout=lay, buffer=target, shape=(lay.device_numel,))
-            ops = [new_u if x is u else x for x in plan.operands]
-            try:
-                prog = replan(ops)
-                pre = None if have else restickify_plan(u.layout, lay, u.buffer, target, cfg)
-            except (Unsupported, ProgramError):
-                continue
-            # the copy is made once and read by every kernel that reads the
-            # buffer: each pays its share
-            t = estimate(prog, cfg).time_s
-            if pre is not None:
-                t += estimate(pre.program, cfg).time_s / _readers(u.buffer)
-            if t < best[0]:
-                pres = [*plan.pre, pre] if pre is not None else list(plan.pre)
-                best = (t, Plan(prog, ops, plan.removed, plan.after, pres), u.buffer, lay)
-    t, chosen = best[:2]
-    if chosen is plan or t > base_t * (1 - MIN_GAIN):
+
+    def build(c):
+        u, lay = c
+        have = done.get((u.buffer, lay))
+        target = have or f"{u.buffer}_st{lay.stick_dim}"
+        new_u = replace(u, layout=lay, buffer=target, shape=(lay.device_numel,))
+        ops = [new_u if x is u else x for x in plan.operands]
+        prog = replan(ops)
+        pre = None if have else restickify_plan(u.layout, lay, u.buffer, target, cfg)
+        pres = [*plan.pre, pre] if pre is not None else list(plan.pre)
+        return Plan(prog, ops, plan.removed, plan.after, pres), pre, u.buffer
+
+    def cost(built) -> float:
+        chosen, pre, buffer = built
+        # the copy is made once and read by every kernel that reads the
+        # buffer: each pays its share
+        t = estimate(chosen.program, cfg).time_s
+        if pre is not None:
+            t += estimate(pre.program, cfg).time_s / _readers(buffer)
+        return t
+
+    found = Search(
+        build, cfg, validate=False, cost=cost, baseline=Found(None, (plan, None, None), base_t)
+    )
+    best = found.run((u, lay) for u, _info, cands in choices for lay in cands)
+    t, chosen = best.time_s, best.result[0]
+    if best.candidate is None or t > base_t * (1 - MIN_GAIN):
         return plan
     if _COSTING[0]:  # a reader planned to cost its producer's choice
         return chosen
-    DECISIONS.append((best[2], best[3], base_t, t))
+    DECISIONS.append((best.candidate[0].buffer, best.candidate[1], base_t, t))
     if len(DECISIONS) > 256:
         del DECISIONS[:128]
     return chosen

@@ -531,25 +531,23 @@ def best_matmul(
     operand traffic than they gain) with the default tiles; a closed-form
     estimate costs about a millisecond, so this suits a kernel cache.
     """
-    from torch_spyre.sim import estimate
+    from torch_spyre.kernels.search import NoPlan, search
 
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
-    best: tuple[float, Program] | None = None
-    for pm in pows:
-        for pn in pows:
-            for pk in pows:
-                if pm * pn * pk > cfg.cores or pm > m or pn > ceil_div(n, se) or pk > k:
-                    continue
-                p = matmul(m, n, k, dtype, split=(pm, pn, pk), config=cfg, name=name)
-                try:
-                    p.validate(cfg)
-                except ProgramError:
-                    continue
-                t = estimate(p, cfg).time_s
-                if best is None or t < best[0]:
-                    best = (t, p)
-    if best is None:
-        raise ProgramError(f"no matmul split of {m}x{n}x{k} fits the card")
-    return best[1]
+    splits = [
+        (pm, pn, pk)
+        for pm in pows
+        for pn in pows
+        for pk in pows
+        if not (pm * pn * pk > cfg.cores or pm > m or pn > ceil_div(n, se) or pk > k)
+    ]
+    try:
+        found = search(
+            splits, lambda s: matmul(m, n, k, dtype, split=s, config=cfg, name=name), cfg,
+            rejected=(ProgramError,),
+        )  # fmt: skip
+    except NoPlan:
+        raise ProgramError(f"no matmul split of {m}x{n}x{k} fits the card") from None
+    return found.result

@@ -349,7 +349,7 @@ def best_flash_attention(
     """The flash-attention program the timing model finds fastest: core
     splits (query heads of a group on one core, or on several with K/V
     multicast), query and key tiles that fit the LX, double buffered or not."""
-    from torch_spyre.sim import estimate
+    from torch_spyre.kernels.search import Search
 
     cfg = config or HardwareConfig()
     g = hq // hk if hk and hq % hk == 0 else 1
@@ -359,32 +359,30 @@ def best_flash_attention(
         + _greedy_split((b, hk, sq, g), cfg.cores)[3:]
         + _greedy_split((b, hk, sq, g), cfg.cores)[2:3],
     }
-    best: tuple[float, Program] | None = None
+
+    def build(c: tuple) -> Program:
+        split, db, tq, tk, ob = c
+        return flash_attention(
+            b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
+            split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
+            heads_last=heads_last, dv=dv, softcap=softcap, sinks=sinks,
+            paged=paged, config=cfg, name=name,
+        )  # fmt: skip
+
+    found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     for split in sorted(splits):
         eq = ceil_div(sq, split[3])
         tqs = sorted({min(eq, t) for t in (64, 128, 256, 512, eq)})
         # a paged decode (one query) has the LX for longer K/V tiles
         tks = sorted({min(skv, t) for t in (64, 128, 256, *((512,) if paged else ()))})
         for db in (True, False):
-            for tq, tk, ob in itertools.product(tqs, tks, (True, False)):
-                p = flash_attention(
-                        b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
-                        split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
-                        heads_last=heads_last, dv=dv, softcap=softcap, sinks=sinks,
-                        paged=paged, config=cfg, name=name,
-                    )  # fmt: skip
-                try:
-                    p.validate(cfg)
-                except ProgramError:
-                    continue
-                t = estimate(p, cfg).time_s
-                if best is None or t < best[0] - 1e-12:
-                    best = (t, p)
-            if best is not None:
+            tiles = itertools.product(tqs, tks, (True, False))
+            found.run((split, db, tq, tk, ob) for tq, tk, ob in tiles)
+            if found.best is not None:
                 break  # single buffering only when nothing double buffered fits
-    if best is None:
+    if found.best is None:
         raise ProgramError(
             f"flash attention {b}x{hq}x{sq}x{skv}x{d}: no tiling fits the LX "
             f"({cfg.lx_bytes} bytes per core)"
         )
-    return best[1]
+    return found.best.result

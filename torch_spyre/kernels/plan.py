@@ -6,9 +6,10 @@ of a matmul kernel (``_matmul_choices``, ``_matmul_split``: batch, rows,
 columns and k over cores, multicast of shared tiles) or pipelined tiles of
 a row kernel (``_pipelined_tiles``), each fitted to the LX budget by
 shrinking tiles (``_fit``, ``_lx_total``; rows streamed or re-planned as
-several passes, ``_balance_row_tiles``) and the cheapest by the timing
-model (``sim.estimate``) kept.  Used by ``compiler.lowering``,
-``compiler.layouts`` and ``kernels.plan``.
+several passes, ``_balance_row_tiles``), and the cheapest by the timing
+model kept (``kernels/search.py``).  The compiler plans its fused groups
+with it (``compiler/lowering.py``, ``compiler/layouts.py``); ``replan``
+gives an eager program the same search.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch_spyre.ir import (
     step_writes,
 )
 from torch_spyre.kernels.rewrites import _multipass, _stream_rows
-from torch_spyre.kernels.search import Unsupported
+from torch_spyre.kernels.search import Found, Memo, Search, Unsupported
 from torch_spyre.kernels.splits import stick_splits
 from torch_spyre.layout import ceil_div, stick_elems
 from torch_spyre.sim import estimate
@@ -186,7 +187,7 @@ def _prologue_first(steps, mm, kd: set[str], buffers):
 
 #: plans by kernel structure: a model's layers repeat the same kernels, and
 #: the cost-model search over splits and tiles is the bulk of compile time
-_PLANS: dict[tuple, Program | Unsupported] = {}
+_PLANS = Memo()
 
 
 def _plan_dims(
@@ -204,17 +205,11 @@ def _plan_dims(
         naive,
         streamed,
     )
-    hit = _PLANS.get(key)
-    if hit is None:
-        try:
-            hit = _search_plan(name, steps, buffers, ops, sizes, reduced, cfg, naive, streamed)
-        except Unsupported as e:
-            hit = e
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = hit
-    if isinstance(hit, Unsupported):
-        raise Unsupported(str(hit))
+    hit = _PLANS.get(
+        key,
+        lambda: _search_plan(name, steps, buffers, ops, sizes, reduced, cfg, naive, streamed),
+        remember=(Unsupported,),
+    )
     return hit if hit.name == name else replace(hit, name=name)
 
 
@@ -282,26 +277,23 @@ def _search_plan(
         cands = mm_cands or cands
     elif not naive:
         cands += _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of)
-    best: tuple[float, Program] | None = None
-    error: ProgramError | None = None
-    for split_, tiles_, loops_, mm_steps, steps_, mc in cands:
-        try:
-            prog = _fit(
-                name, steps_, buffers, ops, sizes, reduced, cfg, names, stick_of,
-                split_, dict(tiles_), loops_, mm_steps, mc, mm is not None, streamed,
-            )  # fmt: skip
-        except ProgramError as e:
-            error = error or e
-            continue
-        if len(cands) == 1 or naive:  # naive: the first plan that fits
-            return prog
-        # the cost model decides among the candidates (closed form, ~1 ms each)
-        t = estimate(prog, cfg).time_s
-        if best is None or t < best[0]:
-            best = (t, prog)
-    if best is None:
-        raise Unsupported(str(error)) from None
-    return best[1]
+
+    def build(c: tuple) -> Program:
+        split_, tiles_, loops_, mm_steps, steps_, mc = c
+        return _fit(
+            name, steps_, buffers, ops, sizes, reduced, cfg, names, stick_of,
+            split_, dict(tiles_), loops_, mm_steps, mc, mm is not None, streamed,
+        )  # fmt: skip
+
+    # the cost model decides among the candidates (closed form, ~1 ms each);
+    # naive: the first plan that fits
+    found = Search(
+        build, cfg, validate=False, first_fit=len(cands) == 1 or naive, rejected=(ProgramError,)
+    )
+    found.run(cands)
+    if found.best is None:
+        raise Unsupported(str(found.first_error)) from None
+    return found.best.result
 
 
 def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool):
@@ -536,20 +528,28 @@ def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget
     ro, rd = rows[-1], red[0]
     se = stick_of.get(rd, 1)
     base = dict(tiles)
-    best = (estimate(prog, cfg).time_s, prog, dict(tiles))
-    f = 2
-    while base[rd] // f >= se:
+
+    def with_factor(f: int) -> tuple[Program, dict]:
         tiles.update(base)
         tiles[ro] = base[ro] * f
         tiles[rd] = max(se, base[rd] // f // se * se)
-        cand = build()
-        if tiles[ro] <= cand.dim(ro).core_extent and _lx_total(cand, cfg) <= budget:
-            t = estimate(cand, cfg).time_s
-            if t < best[0]:
-                best = (t, cand, dict(tiles))
+        return build(), dict(tiles)
+
+    def fits(built: tuple[Program, dict]) -> bool:
+        cand, t = built
+        return t[ro] <= cand.dim(ro).core_extent and _lx_total(cand, cfg) <= budget
+
+    found = Search(
+        with_factor, cfg, validate=False, fits=fits, cost=lambda b: estimate(b[0], cfg).time_s,
+        baseline=Found(1, (prog, dict(base)), estimate(prog, cfg).time_s),
+    )  # fmt: skip
+    f = 2
+    while base[rd] // f >= se:
+        found.consider(f)
         f *= 2
-    tiles.update(best[2])
-    return best[1]
+    best_prog, best_tiles = found.best.result
+    tiles.update(best_tiles)
+    return best_prog
 
 
 # ------------------------------------------------- eager programs, replanned
@@ -570,7 +570,7 @@ def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget
 # steps, buffers and operands are the eager program's, so the numbers it
 # computes are the same.
 
-_plans: dict[tuple, Program] = {}
+_REPLANNED = Memo()
 
 
 def _renamed(s, ren: dict[str, str]):
@@ -588,10 +588,10 @@ def _renamed(s, ren: dict[str, str]):
 def replan(program: Program, cfg: HardwareConfig) -> Program:
     """``program`` with the compiler's choice of split, tiles and multicast;
     ``program`` itself when the search does not serve it (e.g. no plan fits)."""
-    key = (program, cfg)
-    hit = _plans.get(key)
-    if hit is not None:
-        return hit
+    return _REPLANNED.get((program, cfg), lambda: _replan(program, cfg))
+
+
+def _replan(program: Program, cfg: HardwareConfig) -> Program:
     # the compiler names dims x0, x1, ... (outer to inner); the reduced ones
     # are those no store writes (a matmul's k) and those a row step walks
     # whole (a norm's or softmax's row: never split over cores)
@@ -608,7 +608,4 @@ def replan(program: Program, cfg: HardwareConfig) -> Program:
         )
     except (Unsupported, ValueError):
         planned = program
-    if len(_plans) > 4096:
-        _plans.clear()
-    _plans[key] = planned
     return planned

@@ -247,12 +247,11 @@ def best_swiglu_mlp(
     core's 256 MiB (Llama-3.1-70B: 8192 x 28672, 14336 per card at TP 2);
     a batch tile of the whole per-core batch lets a decode step's weight
     tiles serve all its requests at once."""
-    from torch_spyre.sim import estimate
+    from torch_spyre.kernels.search import Search
 
     cfg = config or HardwareConfig()
     se = stick_elems(dtype)
     pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
-    best: tuple[float, Program] | None = None
     n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
     n_splits = stick_splits(n_sticks, cfg.cores)
     # a k split needs the output columns to be k
@@ -275,7 +274,17 @@ def best_swiglu_mlp(
             and (s[0] < b or s[1] < m or s[2] < n_sticks or s[3] < k_sticks)
         )
     ]
+
     # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
+    def build(c: tuple) -> Program:
+        (pb, pm, pn, pk), (tb, tm, tn, tk) = c
+        return swiglu_mlp(
+            b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
+            batched=batched, residual=residual, config=cfg, name=name, tb=tb,
+            merged=merged,
+        )  # fmt: skip
+
+    found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     planned: set[tuple[int, ...]] = set()
     for pb, pm, pn, pk in busy or splits:
         em = ceil_div(m, pm)
@@ -295,19 +304,7 @@ def best_swiglu_mlp(
                 for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
             }
         )
-        for tb, tm, tn, tk in tiles:
-            p = swiglu_mlp(
-                b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
-                batched=batched, residual=residual, config=cfg, name=name, tb=tb,
-                merged=merged,
-            )  # fmt: skip
-            try:
-                p.validate(cfg)
-            except ProgramError:
-                continue
-            t = estimate(p, cfg).time_s
-            if best is None or t < best[0] - 1e-12:
-                best = (t, p)
-    if best is None:
+        found.run(((pb, pm, pn, pk), t) for t in tiles)
+    if found.best is None:
         raise ProgramError(f"fused SwiGLU MLP {b * m}x{k}x{n}: no plan fits the card")
-    return best[1]
+    return found.best.result
