@@ -558,7 +558,7 @@ def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget
 # An eager op builds its program with a fixed recipe (``kernels/eager.py``: the
 # default core split, no operand multicast); the compiler chooses among
 # candidate splits, tiles and multicast with the cost model
-# (``planner._plan_dims``).  ``plan`` runs that same search on an eager
+# (``_plan_dims``).  ``replan`` runs that same search on an eager
 # program, so an eager ``a @ b`` is modelled as the compiler would run it
 # alone, not up to 7x slower.  Row kernels (layer / RMS norm) take the same
 # search: their rows spread over all cores (the recipe puts whole stat
