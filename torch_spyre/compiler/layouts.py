@@ -45,6 +45,7 @@ from dataclasses import replace
 
 import torch
 
+from torch_spyre.compiler import graph_state
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import Buffer, Load, ProgramError, Store
 from torch_spyre.kernels.search import Found, Search
@@ -144,10 +145,8 @@ def _graph():
 def copies() -> dict:
     """Restickified copies already launched in this graph: (buffer, layout) ->
     the wrapper variable holding it (filled as kernels are emitted)."""
-    g = _graph()
-    if g is None:
-        return {}
-    return g.wrapper_code.__dict__.setdefault("_spyre_relaid", {})
+    state = graph_state.current()
+    return {} if state is None else state.relaid
 
 
 def _readers(buffer: str) -> int:
@@ -157,7 +156,7 @@ def _readers(buffer: str) -> int:
     sched = getattr(g, "scheduler", None)
     if sched is None:
         return 1
-    n = -g.wrapper_code.__dict__.get("_spyre_reads", {}).get(buffer, 0)
+    n = -graph_state.of(g.wrapper_code).reads.get(buffer, 0)
     for node in sched.nodes:
         if node.is_extern():
             continue
@@ -185,10 +184,8 @@ def layout_of(buffer: str) -> SpyreTensorLayout | None:
     being tried.  None: the default."""
     if buffer in _TRIAL:
         return _TRIAL[buffer]
-    g = _graph()
-    if g is None:
-        return None
-    return g.wrapper_code.__dict__.get("_spyre_layouts", {}).get(buffer)
+    state = graph_state.current()
+    return None if state is None else state.layouts.get(buffer)
 
 
 def consumers_cost(

@@ -14,7 +14,7 @@ import math
 import sympy
 import torch
 
-from torch_spyre.compiler import lowering
+from torch_spyre.compiler import graph_state, lowering
 from torch_spyre.compiler.nodes import _buffer_info, _static
 from torch_spyre.compiler.values import Scal
 
@@ -200,7 +200,7 @@ def prologues() -> dict[str, Prologue]:
     """The weight prologues of the graph being compiled, by weight buffer."""
     from torch._inductor.virtualized import V
 
-    return V.graph.wrapper_code.__dict__.setdefault("_spyre_prologues", {})
+    return graph_state.of(V.graph.wrapper_code).prologues
 
 
 def weight_prologue(nodes, scheduler) -> tuple[Prologue, object] | None:

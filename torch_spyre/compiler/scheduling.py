@@ -26,7 +26,7 @@ from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
-from torch_spyre.compiler import layouts, lowering
+from torch_spyre.compiler import graph_state, layouts, lowering
 from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
@@ -216,7 +216,7 @@ class SpyreScheduling(BaseScheduling):
         """The pending matmul whose output only this group reads, if it was the
         last kernel emitted: its epilogue (bias, activation, residual) is fused."""
         wrapper = V.graph.wrapper_code
-        pending = getattr(wrapper, "_spyre_pending", None)
+        pending = graph_state.of(wrapper).pending
         if not pending or not options.current().fuse:
             return None
         group = {n.get_name() for n in nodes}
@@ -296,11 +296,10 @@ class SpyreScheduling(BaseScheduling):
             )
             self._emit(pre)
             # later kernels reading the buffer in that layout reuse the copy
-            copies = wrapper.__dict__.setdefault("_spyre_relaid", {})
-            copies[(src.buffer, dst.layout)] = dst.buffer
+            graph_state.of(wrapper).relaid[(src.buffer, dst.layout)] = dst.buffer
         _remember(plan)
-        reads = wrapper.__dict__.setdefault("_spyre_reads", {})
-        stored = wrapper.__dict__.setdefault("_spyre_layouts", {})
+        state = graph_state.of(wrapper)
+        reads, stored = state.reads, state.layouts
         for u in plan.operands:  # for compiler.layouts: readers still to come
             if not plan.program.name.startswith("restickify_"):
                 reads[u.buffer] = reads.get(u.buffer, 0) + (u.role == "input")
@@ -357,8 +356,9 @@ def _define(wrapper, plan: lowering.Plan) -> str:
     ]
     body = f"spyre_rt.kernel_from_json({text!r}, {json.dumps(bindings)})"
     kname = "spyre_" + hashlib.sha256(body.encode()).hexdigest()[:12]
-    if kname not in getattr(wrapper, "_spyre_defined", set()):
-        wrapper._spyre_defined = getattr(wrapper, "_spyre_defined", set()) | {kname}
+    defined = graph_state.of(wrapper).defined
+    if kname not in defined:
+        defined.add(kname)
         wrapper.header.writeline(f"{kname} = {body}")
         if debug_enabled():
             usage = plan.program.lx_usage(cards.config(0))
@@ -411,6 +411,11 @@ class _MatmulLine(WrapperLine):
 
 
 class SpyreWrapperCodegen(PythonWrapperCodegen):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        #: the backend's state for this graph (``compiler/graph_state.py``)
+        self.spyre = graph_state.GraphState()
+
     @staticmethod
     def create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures=None):
         if is_subgraph:
@@ -457,8 +462,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                 line = _MatmulLine(pending, f"{kname}.run({args})  # {plan.program.name}")
                 pending.line = line
                 self.writeline(line)
-                self._spyre_pending = getattr(self, "_spyre_pending", {})
-                self._spyre_pending[node.get_name()] = pending
+                self.spyre.pending[node.get_name()] = pending
                 return
         super().generate_extern_kernel_out(node)
 
