@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import warnings
 import pytest
 
 import torch_spyre  # noqa: F401  (registers the device)
+from torch_spyre import settings
 from torch_spyre.runtime.fallback import SpyreFallbackWarning
 
 warnings.filterwarnings("ignore", category=SpyreFallbackWarning)
@@ -29,3 +31,11 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def spyre_python():
     return run_python
+
+
+@pytest.fixture
+def spyre_settings():
+    """``spyre_settings(field=value, ...)``: torch_spyre settings for the rest of
+    the test (``settings.override``), restored after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(settings.override(**changes))

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from torch_spyre import settings
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 #: PE-array throughput relative to fp16.  int8 x2 and int4 x4 are derived in
@@ -296,24 +298,29 @@ class HardwareConfig:
 
     @staticmethod
     def from_env(environ: dict[str, str] | None = None) -> HardwareConfig:
-        """Defaults, then ``TORCH_SPYRE_HW_CONFIG``, then per-field variables."""
-        env = os.environ if environ is None else environ
+        """The process's settings' card (``settings.get()``), or the card an
+        environment describes: defaults, then ``TORCH_SPYRE_HW_CONFIG``, then
+        ``TORCH_SPYRE_DEVICE_MEMORY`` and the per-field variables."""
+        s = settings.get() if environ is None else settings.Settings.from_env(environ)
+        return HardwareConfig.from_settings(s)
+
+    @staticmethod
+    def from_settings(s: settings.Settings) -> HardwareConfig:
+        """The card ``s`` describes (its ``hw_config`` file, ``device_memory``, ``hw`` fields)."""
         overrides: dict[str, Any] = {}
-        path = env.get("TORCH_SPYRE_HW_CONFIG")
-        if path:
-            overrides.update(_read_file(path))
-        if env.get("TORCH_SPYRE_DEVICE_MEMORY"):
-            overrides["device_memory_bytes"] = env["TORCH_SPYRE_DEVICE_MEMORY"]
+        if s.hw_config:
+            overrides.update(_read_file(s.hw_config))
+        if s.device_memory:
+            overrides["device_memory_bytes"] = s.device_memory
         names = {f.name.upper(): f.name for f in fields(HardwareConfig)}
-        for key, value in env.items():
-            if key.startswith("TORCH_SPYRE_HW_") and key != "TORCH_SPYRE_HW_CONFIG":
-                field = names.get(key.removeprefix("TORCH_SPYRE_HW_"))
-                if field is None:
-                    raise HardwareConfigError(
-                        f"{key} names no HardwareConfig field; known: "
-                        + ", ".join(f"TORCH_SPYRE_HW_{n}" for n in sorted(names))
-                    )
-                overrides[field] = value
+        for key, value in s.hw.items():
+            field = names.get(key.upper())
+            if field is None:
+                raise HardwareConfigError(
+                    f"TORCH_SPYRE_HW_{key.upper()} names no HardwareConfig field; known: "
+                    + ", ".join(f"TORCH_SPYRE_HW_{n}" for n in sorted(names))
+                )
+            overrides[field] = value
         return HardwareConfig().replace(**overrides)
 
 

@@ -15,29 +15,24 @@ This module is the contract between the runtime (copies), the kernel program
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 import torch
 
+from torch_spyre import settings
+
 STICK_BYTES = 128
 
 
-def _fp16_format_from_env() -> str:
-    raw = os.environ.get("TORCH_SPYRE_FP16_FORMAT", "ieee").strip().lower()
-    if raw not in ("ieee", "dl16"):
-        raise ValueError(f"TORCH_SPYRE_FP16_FORMAT must be 'ieee' or 'dl16', got {raw!r}")
-    return raw
-
-
-#: How device memory encodes fp16 and bf16 values (process-wide, read at
-#: import from ``TORCH_SPYRE_FP16_FORMAT``): "ieee" keeps their own bits
-#: (bit-exact round trips), "dl16" stores the card's DL16 format
-#: (torch_spyre.dl16: the range of the real card, 9 fraction bits), as IBM's
-#: stack maps both to SEN169_FP16.  docs/hardware-model.md says when which.
-FP16_FORMAT = _fp16_format_from_env()
+#: How device memory encodes fp16 and bf16 values (process-wide, fixed when
+#: this module is imported: the ``fp16_format`` setting,
+#: ``TORCH_SPYRE_FP16_FORMAT``): "ieee" keeps their own bits (bit-exact round
+#: trips), "dl16" stores the card's DL16 format (torch_spyre.dl16: the range
+#: of the real card, 9 fraction bits), as IBM's stack maps both to
+#: SEN169_FP16.  docs/hardware-model.md says when which.
+FP16_FORMAT = settings.get().fp16_format
 _HALF = (torch.float16, torch.bfloat16)
 #: the 8-bit floats device memory stores (quantised data: no arithmetic on them
 #: outside the quantised kernels, torch_spyre/ops/quantized.py)

@@ -404,8 +404,8 @@ def test_whole_tensor_reductions_and_rows_longer_than_the_lx():
     assert cf(y.to("spyre")).cpu() == y.amax()
 
 
-def test_debug_dump(monkeypatch, capsys):
-    monkeypatch.setenv("TORCH_SPYRE_DEBUG", "1")
+def test_debug_dump(spyre_settings, capsys):
+    spyre_settings(debug=True)
     cf = torch.compile(lambda a: torch.tanh(a) * 3 - 1, fullgraph=True, dynamic=False)
     a = torch.randn(40, 72, dtype=H)
     torch.testing.assert_close(

@@ -158,10 +158,10 @@ def test_timing_only_does_not_compute_values():
     assert not torch.equal(out.cpu(), real.cpu())  # the kernel did not run
 
 
-def test_fits_follows_the_card_memory(monkeypatch):
+def test_fits_follows_the_card_memory(spyre_settings):
     est = _tiny()
     assert est.fits
-    monkeypatch.setenv("TORCH_SPYRE_DEVICE_MEMORY", "1MiB")
+    spyre_settings(device_memory="1MiB")
     small = E.estimate("granite-3.3-8b", prompt=PROMPT, new_tokens=NEW, overrides=TINY)
     assert small.card_memory_bytes == 1 << 20
     assert small.memory_bytes > 1 << 20 and not small.fits

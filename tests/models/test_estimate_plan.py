@@ -71,13 +71,13 @@ def test_batch_scales_kv_and_throughput(config_path):
     assert d["decode_tokens_per_s"] == pytest.approx(4 / four.decode_s)
 
 
-def test_does_not_fit_names_the_cards_needed(config_path, monkeypatch):
+def test_does_not_fit_names_the_cards_needed(config_path, spyre_settings):
     one = _est(config_path)
     per = one.per_card_bytes
     assert sorted(per) == [1, 2, 4]  # 4 heads, 2 KV heads: valid splits
     assert per[1] > per[2] > per[4]
     # a card between the 2-card and the 1-card need
-    monkeypatch.setenv("TORCH_SPYRE_DEVICE_MEMORY", str((per[1] + per[2]) // 2))
+    spyre_settings(device_memory=str((per[1] + per[2]) // 2))
     small = E.estimate(
         config_path, prompt=PROMPT, new_tokens=NEW, config=parallel.load_config(config_path)
     )

@@ -68,8 +68,8 @@ def test_validation_errors_are_clear(tmp_path):
         HardwareConfig.from_env({"TORCH_SPYRE_HW_CONFIG": str(tmp_path / "missing.json")})
 
 
-def test_get_card_reads_environment(monkeypatch):
-    monkeypatch.setenv("TORCH_SPYRE_DEVICE_MEMORY", "64MiB")
+def test_get_card_reads_environment(spyre_settings):
+    spyre_settings(device_memory="64MiB")
     reset_cards()
     assert get_card(0).config.device_memory_bytes == 64 * 2**20
     assert get_card(3).index == 3 and get_card(0) is get_card(0)

@@ -10,11 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from torch_spyre import settings
+
 # The engine core in this process: ~10 s faster start per LLM, and the worker's
 # state (step statistics, device placement) is reachable for the checks.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TORCH_SPYRE_VLLM_LOG_STEPS", "0")
+settings.reload()  # torch_spyre read its settings before this file set one
 
 # vLLM is imported lazily by the tests (not at collection): importing it has
 # process-wide effects (logging, torch settings) the rest of the suite should not see.

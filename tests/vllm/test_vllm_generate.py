@@ -258,10 +258,10 @@ def test_smollm2_fp16_greedy_matches_cpu_on_five_prompts():
 
 # Last in the module: closing a second in-process engine tears down vLLM's process
 # groups, which the module's tiny_llm needs (the SmolLM2 test above is the same).
-def test_compile_switch_off_runs_eagerly(tiny_llama_dir, tiny_llama_ref, hf_greedy, monkeypatch):
+def test_compile_switch_off_runs_eagerly(tiny_llama_dir, tiny_llama_ref, hf_greedy, spyre_settings):
     from vllm import LLM
 
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_COMPILE", "0")
+    spyre_settings(vllm_compile=False)
     llm = LLM(
         model=tiny_llama_dir,
         skip_tokenizer_init=True,

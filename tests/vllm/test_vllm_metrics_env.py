@@ -17,9 +17,9 @@ def fresh_registry(monkeypatch):
     return registered
 
 
-def test_inherited_port_is_not_reused(monkeypatch, fresh_registry):
+def test_inherited_port_is_not_reused(monkeypatch, fresh_registry, spyre_settings):
     monkeypatch.setenv(metrics._PROXY_PID, str(os.getpid() + 100000))  # another process
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_METRICS_PORT", "1")
+    spyre_settings(vllm_metrics_port=1)
     monkeypatch.setenv(metrics._PICKED_PORT, "1")  # ... picked it
     metrics.install_api_server_collector()
     assert len(fresh_registry) == 1
@@ -29,15 +29,15 @@ def test_inherited_port_is_not_reused(monkeypatch, fresh_registry):
     assert len(fresh_registry) == 1
 
 
-def test_a_port_the_user_set_stays(monkeypatch, fresh_registry):
+def test_a_port_the_user_set_stays(monkeypatch, fresh_registry, spyre_settings):
     monkeypatch.setenv(metrics._PROXY_PID, str(os.getpid() + 100000))
     monkeypatch.setenv(metrics._PICKED_PORT, "1")
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_METRICS_PORT", "4242")
+    spyre_settings(vllm_metrics_port=4242)
     metrics.install_api_server_collector()
     assert os.environ["TORCH_SPYRE_VLLM_METRICS_PORT"] == "4242"
 
 
-def test_worker_serves_on_without_its_port(monkeypatch, fresh_registry):
+def test_worker_serves_on_without_its_port(monkeypatch, fresh_registry, spyre_settings):
     import socket
 
     warned = []
@@ -47,7 +47,7 @@ def test_worker_serves_on_without_its_port(monkeypatch, fresh_registry):
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
-        monkeypatch.setenv("TORCH_SPYRE_VLLM_METRICS_PORT", str(taken.getsockname()[1]))
+        spyre_settings(vllm_metrics_port=taken.getsockname()[1])
         monkeypatch.setattr(metrics, "_prom", None)
         assert metrics._metrics() is not None  # no OSError out of the engine step
     assert any("cannot serve the worker's metrics" in w for w in warned)

@@ -28,14 +28,14 @@ def test_entry_points_name_the_plugin():
     assert general.get("spyre_layers") == "torch_spyre.vllm_plugin:register_ops"
 
 
-def test_platform_is_spyre_and_can_be_switched_off(monkeypatch):
+def test_platform_is_spyre_and_can_be_switched_off(spyre_settings):
     from vllm.platforms import current_platform
 
     assert current_platform.device_name == "spyre"
     assert current_platform.device_type == "cpu"
     assert current_platform.is_out_of_tree()
     assert plugin.register() == plugin.PLATFORM_QUALNAME
-    monkeypatch.setenv("TORCH_SPYRE_VLLM", "0")
+    spyre_settings(vllm=False)
     assert plugin.register() is None
 
 
@@ -149,10 +149,10 @@ def test_unsupported_attention_features_are_named(attention, what):
         attention.SpyreAttentionImpl(4, 16, 0.25, 2, **kwargs)
 
 
-def test_token_buckets(monkeypatch):
+def test_token_buckets(spyre_settings):
     from torch_spyre.vllm_plugin import compile as spyre_compile
 
-    monkeypatch.delenv("TORCH_SPYRE_VLLM_BUCKETS", raising=False)
+    spyre_settings(vllm_buckets=None)
     assert spyre_compile.buckets(32) == [16, 32]
     assert spyre_compile.buckets(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert spyre_compile.buckets(100) == [16, 32, 64, 100]
@@ -162,7 +162,7 @@ def test_token_buckets(monkeypatch):
     assert picked == [16, 16, 32, 100, 100]
     with pytest.raises(ValueError, match="exceed"):
         spyre_compile.bucket_for(101, sizes)
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_BUCKETS", "64, 8")
+    spyre_settings(vllm_buckets=(8, 64))
     assert spyre_compile.buckets(100) == [8, 64, 100]
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_COMPILE", "0")
+    spyre_settings(vllm_compile=False)
     assert not spyre_compile.enabled()

@@ -139,11 +139,11 @@ def ct_fp8_dir(tmp_path_factory) -> str:
 
 @pytest.mark.slow  # an LLM engine, eager layers (~15-25 s)
 def test_compressed_tensors_fp8_checkpoint_serves_and_matches_transformers(
-    ct_fp8_dir, hf_greedy, monkeypatch
+    ct_fp8_dir, hf_greedy, spyre_settings
 ):
     from vllm import LLM
 
-    monkeypatch.setenv("TORCH_SPYRE_VLLM_COMPILE", "0")  # the compiled path: the test above
+    spyre_settings(vllm_compile=False)  # the compiled path: the test above
     llm = LLM(
         model=ct_fp8_dir,
         skip_tokenizer_init=True,

@@ -15,7 +15,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from textwrap import dedent
 
 import sympy
@@ -26,6 +25,7 @@ from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
+from torch_spyre import settings
 from torch_spyre.compiler import graph_state, layouts, lowering
 from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
@@ -58,7 +58,7 @@ def _planning_config():
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("TORCH_SPYRE_DEBUG", "") not in ("", "0")
+    return settings.get().debug
 
 
 class SpyreScheduling(BaseScheduling):

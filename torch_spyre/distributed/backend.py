@@ -18,13 +18,13 @@ PyTorch's public pattern for a backend written in Python is a
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from torch_spyre import settings
 from torch_spyre.distributed.transport import (
     Message,
     SpyreCCLError,
@@ -68,9 +68,9 @@ class SpyreCCL(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
-        env = os.environ.get("TORCH_SPYRE_CCL_TIMEOUT_S")
-        if env:
-            timeout = timedelta(seconds=float(env))
+        override = settings.get().ccl_timeout_s
+        if override:
+            timeout = timedelta(seconds=override)
         self._store = store
         self._timeout = timeout
         self._net = StoreTransport(dist.PrefixStore("spyreccl/", store), rank, size, timeout)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from torch_spyre import settings
 
 Kind = Literal["embedding", "causal-lm"]
 
@@ -61,7 +62,7 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TORCH_SPYRE_MODEL_CACHE")
+    root = settings.get().model_cache
     return Path(root) if root else Path.home() / ".cache" / "torch_spyre" / "models"
 
 

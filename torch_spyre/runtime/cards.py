@@ -7,9 +7,7 @@ could replace the simulator here.
 
 from __future__ import annotations
 
-import os
-
-from torch_spyre import _C, layout
+from torch_spyre import _C, layout, settings
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.sim import SimulatedCard, get_card, timing_only_active, trace
 from torch_spyre.sim import card as sim_card
@@ -19,18 +17,10 @@ MAX_CARDS = 8
 
 
 def configured_num_cards() -> int:
-    """TORCH_SPYRE_NUM_CARDS, else AIU_WORLD_SIZE (the cards IBM's runtime makes
-    visible; torch_spyre.compat exports it back, so the two always agree), else 1."""
-    raw = os.environ.get("TORCH_SPYRE_NUM_CARDS") or os.environ.get("AIU_WORLD_SIZE") or "1"
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"TORCH_SPYRE_NUM_CARDS must be an integer 1..{MAX_CARDS}, got {raw!r}"
-        ) from None
-    if not 1 <= n <= MAX_CARDS:
-        raise ValueError(f"TORCH_SPYRE_NUM_CARDS must be 1..{MAX_CARDS}, got {n}")
-    return n
+    """The ``num_cards`` setting: TORCH_SPYRE_NUM_CARDS, else AIU_WORLD_SIZE (the
+    cards IBM's runtime makes visible; torch_spyre.compat exports it back, so
+    the two always agree), else 1."""
+    return settings.get().num_cards
 
 
 def init() -> None:
@@ -45,34 +35,27 @@ def init() -> None:
     sim_card.bind_launches(_C._warm_drain)
     sim_card.on_reset(_C._warm_clear)  # its entries hold the old cards' modelled times
     sim_card.watch(_update_warm_path)
+    settings.watch(_update_warm_path)
     _update_warm_path()
-
-
-#: TORCH_SPYRE_WARM_PATH=0 turns the C++ warm launch path off (every launch in Python)
-_warm_switch = os.environ.get("TORCH_SPYRE_WARM_PATH", "1").strip().lower() not in (
-    "0",
-    "off",
-    "false",
-)
 
 
 def warm_path(on: bool | None = None) -> bool:
     """Whether eager ``add``/``sub``/``mul``/``div`` calls the Python path has
     launched before may be served by the C++ warm path; ``on`` sets it.
     Returns the setting before the call.  The figures are the same either way
-    (values, modelled clock, counters); off is for comparisons and debugging."""
-    global _warm_switch
-    before = _warm_switch
+    (values, modelled clock, counters); off is for comparisons and debugging.
+    The ``warm_path`` setting (``TORCH_SPYRE_WARM_PATH``)."""
+    before = settings.get().warm_path
     if on is not None:
-        _warm_switch = bool(on)
-        _update_warm_path()
+        settings.update(warm_path=bool(on))  # _update_warm_path watches the settings
     return before
 
 
-def _update_warm_path() -> None:
+def _update_warm_path(*_: object) -> None:
     # the warm path emits no trace records and always executes: it stands
     # aside while anyone listens and in timing-only runs
-    _C._warm_allow(_warm_switch and not timing_only_active() and not trace.listening())
+    on = settings.get().warm_path and not timing_only_active() and not trace.listening()
+    _C._warm_allow(on)
 
 
 def device_bytes_in_use() -> int:

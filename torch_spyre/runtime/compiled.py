@@ -10,11 +10,11 @@ device memory and runs.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from torch_spyre import settings
 from torch_spyre.ir import Program, constants
 from torch_spyre.runtime import dispatch_stats, launch, operands
 
@@ -33,7 +33,7 @@ class CompiledKernel:
         self._label = "compiled." + self.program.name
         self._iotas: dict[tuple[int, int | None], torch.Tensor] = {}
         self._tables: dict[tuple[str, int | None], torch.Tensor] = {}
-        if os.environ.get("TORCH_SPYRE_DEBUG"):
+        if settings.get().debug:
             print(self.program.dump())
 
     def _iota(self, n: int, device: torch.device) -> torch.Tensor:

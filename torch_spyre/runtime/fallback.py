@@ -14,18 +14,17 @@ Set it with ``torch_spyre.set_fallback_policy`` or ``TORCH_SPYRE_FALLBACK``.
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch_spyre import settings
 from torch_spyre.runtime import access, cards, dispatch_stats, scalars
 
 _POLICIES = ("warn", "silent", "error")
 _warned: set[str] = set()
-_policy = os.environ.get("TORCH_SPYRE_FALLBACK", "warn")
 
 
 class SpyreFallbackWarning(UserWarning):
@@ -37,14 +36,13 @@ class SpyreFallbackError(NotImplementedError):
 
 
 def set_fallback_policy(policy: str) -> None:
-    global _policy
     if policy not in _POLICIES:
         raise ValueError(f"fallback policy must be one of {_POLICIES}, got {policy!r}")
-    _policy = policy
+    settings.update(fallback=policy)
 
 
 def get_fallback_policy() -> str:
-    return _policy
+    return settings.get().fallback
 
 
 @contextmanager
@@ -157,7 +155,8 @@ def host_fallback(op, *args, **kwargs):
     name = str(op).removeprefix("aten.")
     if _is_view_op(op):
         return _run_view_op(op, args, kwargs)
-    if _policy == "error":
+    policy = settings.get().fallback
+    if policy == "error":
         raise SpyreFallbackError(
             f"spyre has no kernel for aten.{name} ({_describe(args, kwargs)}) and the "
             f"fallback policy is 'error'. Use torch_spyre.set_fallback_policy('warn') "
@@ -165,7 +164,7 @@ def host_fallback(op, *args, **kwargs):
             f"tensors to the CPU for this op."
         )
     dispatch_stats.record("fallback", name)
-    if _policy == "warn" and (name not in _warned or _shown_always()):
+    if policy == "warn" and (name not in _warned or _shown_always()):
         _warned.add(name)
         warnings.warn(
             f"spyre: aten.{name} has no device kernel for these inputs; it runs on the host "

@@ -8,13 +8,13 @@ one ended.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from torch_spyre import settings
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import GroupedProgram, Program
 from torch_spyre.sim import trace
@@ -26,15 +26,23 @@ MAX_CARDS = 8
 TRANSFER_KINDS = ("h2d", "d2h", "d2d")
 
 _timing_only_depth = 0
-#: ``TORCH_SPYRE_TIMING_ONLY=1``, read once at import (not on every launch)
-_timing_only_env = os.environ.get("TORCH_SPYRE_TIMING_ONLY", "") not in ("", "0")
-#: the flag launches read: the environment, or inside ``timing_only()``
-_timing_only = _timing_only_env
+#: the flag launches read: the setting (``TORCH_SPYRE_TIMING_ONLY``), or
+#: inside ``timing_only()``
+_timing_only = settings.get().timing_only
+
+
+def _timing_only_setting(s: settings.Settings) -> None:
+    global _timing_only
+    _timing_only = _timing_only_depth > 0 or s.timing_only
+    _notify()
+
+
+settings.watch(_timing_only_setting)
 
 
 def timing_only_active() -> bool:
-    """True inside ``timing_only()`` or with ``TORCH_SPYRE_TIMING_ONLY=1`` (read
-    when torch_spyre is imported; change it in code with ``timing_only()``)."""
+    """True inside ``timing_only()`` or with the ``timing_only`` setting
+    (``TORCH_SPYRE_TIMING_ONLY=1``)."""
     return _timing_only
 
 
@@ -59,7 +67,7 @@ def timing_only() -> Iterator[None]:
         yield
     finally:
         _timing_only_depth -= 1
-        _timing_only = _timing_only_depth > 0 or _timing_only_env
+        _timing_only = _timing_only_depth > 0 or settings.get().timing_only
         _notify()
 
 

@@ -24,13 +24,12 @@ with the weight converted (and kept by ``hostviews``).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from torch_spyre import dl16
+from torch_spyre import dl16, settings
 from torch_spyre.ir import Load, Matmul, Program, sole_load
 
 _P = "@"  # the executor's prefix of a per-core partial axis
@@ -46,19 +45,17 @@ GEMV_ROWS = 16
 Buffers = dict[str, torch.Tensor]
 
 
-_enabled = os.environ.get("TORCH_SPYRE_STICK_GEMM", "1") != "0"
-
-
 def enabled() -> bool:
-    return _enabled
+    """The ``stick_gemm`` setting (``TORCH_SPYRE_STICK_GEMM``)."""
+    return settings.get().stick_gemm
 
 
 def set_enabled(on: bool) -> bool:
     """Turn the in-place weight reads on or off (the executor rebuilds a
     program's runner built the other way on its next use).  Returns the
     previous setting."""
-    global _enabled
-    prev, _enabled = _enabled, bool(on)
+    prev = settings.get().stick_gemm
+    settings.update(stick_gemm=bool(on))
     return prev
 
 

@@ -33,7 +33,6 @@ the weights of matmuls with ``TORCH_SPYRE_STICK_GEMM=0``).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_spyre import settings
 from torch_spyre.layout import SpyreTensorLayout
 
 #: operands smaller than this are converted on every read (cheap; not worth a slot)
@@ -216,9 +216,9 @@ def _convert(mem, layout: SpyreTensorLayout, dtype: torch.dtype, derive) -> torc
 
 
 def _budget_from_env() -> int | float | None:
-    """``TORCH_SPYRE_HOST_VIEWS``: ``0``/``off``, a size (``2GiB``) or a multiple
+    """The ``host_views`` setting (``TORCH_SPYRE_HOST_VIEWS``): ``0``/``off``, a size (``2GiB``) or a multiple
     of the device bytes in use (``1.0x``); default ``1.0x``."""
-    raw = os.environ.get("TORCH_SPYRE_HOST_VIEWS", "1.0x").strip().lower()
+    raw = settings.get().host_views.strip().lower()
     if raw in ("0", "off", "none", ""):
         return None
     if raw.endswith("x"):

@@ -26,7 +26,10 @@ PLATFORM_QUALNAME = "torch_spyre.vllm_plugin.platform.SpyrePlatform"
 
 
 def enabled() -> bool:
-    return os.environ.get("TORCH_SPYRE_VLLM", "1") not in ("0", "false", "False", "")
+    """The ``vllm`` setting (``TORCH_SPYRE_VLLM``)."""
+    from torch_spyre import settings
+
+    return settings.get().vllm
 
 
 #: IBM's vLLM platform plugin on torch-spyre (spyre-inference) and its entry point

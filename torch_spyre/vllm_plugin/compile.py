@@ -32,13 +32,14 @@ token count is always added).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 from vllm.logger import init_logger
+
+from torch_spyre import settings
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
@@ -51,21 +52,13 @@ def enabled(pooling: bool = False) -> bool:
     generative models; pooling models (one prefill-only pass per request) run
     eagerly unless it is set to 1 (the compiler lacks the integer bit ops of
     vLLM's BERT token-type packing: docs/serving.md)."""
-    raw = os.environ.get("TORCH_SPYRE_VLLM_COMPILE")
-    if raw is None:
-        return not pooling
-    return raw not in ("0", "false", "False", "")
+    on = settings.get().vllm_compile
+    return (not pooling) if on is None else on
 
 
 def buckets(max_tokens: int) -> list[int]:
     """Token-count buckets: the environment's list or 16, 32, ... below the max; the max."""
-    env = os.environ.get("TORCH_SPYRE_VLLM_BUCKETS")
-    if env:
-        sizes = sorted({int(s) for s in env.replace(" ", "").split(",") if s})
-        if not sizes or sizes[0] <= 0:
-            raise ValueError(f"TORCH_SPYRE_VLLM_BUCKETS: positive token counts, got {env!r}")
-    else:
-        sizes = _doubling(max_tokens)
+    sizes = list(settings.get().vllm_buckets or _doubling(max_tokens))
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 

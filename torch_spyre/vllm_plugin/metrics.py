@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 
+from torch_spyre import settings
+
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
 _prom: dict[str, object] | None = None
@@ -54,12 +56,12 @@ def _metrics() -> dict[str, object] | None:
             "spyre:collective_modelled_seconds", "Modelled collective time, all steps"
         ),
     }
-    port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
+    port = settings.get().vllm_metrics_port
     # tensor parallel: the worker on card 0 serves the port (collectives end
     # every card's step at the same modelled time); the others log their steps
     if port and _card() == 0:
         try:
-            pc.start_http_server(int(port))
+            pc.start_http_server(port)
             logger.info("spyre: worker metrics served on port %s", port)
         except OSError as err:  # the engine serves on without its metrics port
             logger.warning(
@@ -125,15 +127,16 @@ def install_api_server_collector() -> None:
     itself (a child, or the same process) does not proxy."""
     import multiprocessing
 
-    owner = os.environ.get(_PROXY_PID)
+    owner = settings.inherited(_PROXY_PID)
     if owner == str(os.getpid()) or multiprocessing.current_process().name != "MainProcess":
         return  # installed here already, or we are an engine / worker process vLLM started
     try:
         from prometheus_client import REGISTRY
     except ImportError:
         return
-    port = os.environ.get("TORCH_SPYRE_VLLM_METRICS_PORT")
-    if owner is not None and port == os.environ.get(_PICKED_PORT):
+    configured = settings.get().vllm_metrics_port
+    port = str(configured) if configured else None
+    if owner is not None and port == settings.inherited(_PICKED_PORT):
         # inherited from another process that ran an engine (a script that
         # built an LLM, then started `vllm serve`): the port it picked is its
         # own (a port the user set stays)
@@ -144,9 +147,9 @@ def install_api_server_collector() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = str(sock.getsockname()[1])
-        os.environ["TORCH_SPYRE_VLLM_METRICS_PORT"] = port
-        os.environ[_PICKED_PORT] = port
-    os.environ[_PROXY_PID] = str(os.getpid())
+        settings.handoff("TORCH_SPYRE_VLLM_METRICS_PORT", port)
+        settings.handoff(_PICKED_PORT, port)
+    settings.handoff(_PROXY_PID, str(os.getpid()))
     REGISTRY.register(_WorkerMetrics(int(port)))
 
 
@@ -161,9 +164,7 @@ class StepStats:
     last_collective_s: float = 0.0
     history: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, reqs, s)
     wall_history: list[float] = field(default_factory=list)  # wall seconds, same steps
-    log_every: int = field(
-        default_factory=lambda: int(os.environ.get("TORCH_SPYRE_VLLM_LOG_STEPS", "1"))
-    )
+    log_every: int = field(default_factory=lambda: settings.get().vllm_log_steps)
 
     def record(
         self, tokens: int, reqs: int, modelled_s: float, wall_s: float, collective_s: float = 0.0

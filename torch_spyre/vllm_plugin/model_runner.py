@@ -18,7 +18,6 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,6 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
+from torch_spyre import settings
 from torch_spyre.vllm_plugin import compile as compile_mod
 from torch_spyre.vllm_plugin import metrics
 from torch_spyre.vllm_plugin.compile import CompiledForward, CompiledHead
@@ -112,7 +112,7 @@ class SpyreModelRunner(CPUModelRunner):
         """
         if self.compiled is None:
             return
-        raw = os.environ.get("TORCH_SPYRE_VLLM_WARMUP", "all").strip().lower()
+        raw = settings.get().vllm_warmup.strip().lower()
         if raw in ("none", "0", "off", ""):
             return
         sizes = self.compiled.sizes

@@ -9,12 +9,13 @@ where the layers run (model_runner.py, layers.py, attention.py).
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
+
+from torch_spyre import settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -148,9 +149,9 @@ class SpyrePlatform(Platform):
         if not cache.user_specified_block_size:
             cache.block_size = DEFAULT_BLOCK_SIZE
         _one_state_block_per_request(vllm_config)
-        env_kv = os.environ.get("TORCH_SPYRE_VLLM_KV_CACHE_BYTES")
+        env_kv = settings.get().vllm_kv_cache_bytes
         if env_kv and cache.kv_cache_memory_bytes is None:
-            cache.kv_cache_memory_bytes = int(env_kv)
+            cache.kv_cache_memory_bytes = env_kv
 
         # No vLLM compilation (its piecewise backend, CUDA graphs): the model runner
         # compiles the forward itself with plain torch.compile, which reaches the
