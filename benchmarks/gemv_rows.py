@@ -1,7 +1,7 @@
 """vLLM batched decode on the simulated card, by the executor's ``GEMV_ROWS``.
 
 ``sim/direct.py`` computes a weight matmul with the in-place kernel
-(``_C._stick_gemm``) up to ``GEMV_ROWS`` rows of the other operand and with a
+(``_card.stick_gemm``) up to ``GEMV_ROWS`` rows of the other operand and with a
 host GEMM on the re-laid weight above (``benchmarks/stick_gemm.py`` times the
 two per matmul).  vLLM pads a step of up to 16 decoding requests to its
 16-token bucket, so the threshold decides which path a batched decode takes.

@@ -1,4 +1,4 @@
-"""The executor's in-place weight matmul (``_C._stick_gemm``) against a re-lay +
+"""The executor's in-place weight matmul (``_card.stick_gemm``) against a re-lay +
 cast of the weight and a host GEMM, by rows of the other operand.
 
 ``sim/direct.py`` takes the kernel up to ``GEMV_ROWS`` rows and the host GEMM
@@ -19,7 +19,7 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import torch  # noqa: E402
 
-from torch_spyre import _C  # noqa: E402
+from torch_spyre import _card  # noqa: E402
 from torch_spyre.sim import direct  # noqa: E402
 
 SHAPES = [(1536, 576), (576, 1536), (5632, 2048)]  # SmolLM2 MLP up / down, a 1B MLP up
@@ -49,7 +49,7 @@ def main() -> None:
         w = torch.randn(k // 64, n, 64).half().permute(1, 0, 2)
         for rows in ROWS:
             a = torch.randn(rows, k)
-            t_kernel = _us(lambda a=a, w=w, k=k: _C._stick_gemm(a, w, k, k, 1), args.repeat)
+            t_kernel = _us(lambda a=a, w=w, k=k: _card.stick_gemm(a, w, k, k, 1), args.repeat)
             t_host = _us(lambda a=a, w=w, k=k: direct._host_gemm(a, w, k, k, 1), args.repeat)
             print(
                 f"{f'{n} x {k}':>14} {rows:>5} {t_kernel:>10.0f} {t_host:>15.0f}"

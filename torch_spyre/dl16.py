@@ -17,23 +17,23 @@ from __future__ import annotations
 
 import torch
 
-from torch_spyre import _C
+from torch_spyre import _card
 
 #: the NaN/infinity pattern (magnitude bits), and the largest finite value
 NINF = 0x7FFF
 MAX = 2.0**32 * (1 + 510 / 512)
 
 
-# The conversions are loops in csrc/dl16.h (a DL16 card converts every
+# The conversions are loops in csrc/card/dl16.h (a DL16 card converts every
 # operand it reads and writes: in torch ops they took half of a DL16 decode).
 def encode(values: torch.Tensor) -> torch.Tensor:
     """DL16 bits (int16) of float ``values`` (any float dtype, via fp32)."""
-    return _C._dl16_encode(values.to(torch.float32).contiguous())
+    return _card.dl16_encode(values.to(torch.float32).contiguous())
 
 
 def decode(bits: torch.Tensor) -> torch.Tensor:
     """fp32 values of DL16 ``bits`` (int16; NINF -> NaN)."""
-    return _C._dl16_decode(bits.contiguous())
+    return _card.dl16_decode(bits.contiguous())
 
 
 def round_trip(values: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from torch_spyre import settings
+from torch_spyre import _card, settings
 
 STICK_BYTES = 128
 
@@ -40,9 +40,9 @@ FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: ``copy(src, dst) -> bool``: a faster ``dst.copy_(src)`` for a permuted view of
 #: device memory into a contiguous host tensor, or False where it does not
-#: apply.  The runtime installs one from its C++ extension (a stick at a time
-#: with the CPU's fp16 conversion instructions); this module needs only torch.
-fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+#: apply: the card module's (a stick at a time with the CPU's fp16 conversion
+#: instructions, csrc/card/stick_copy.cpp).
+fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = _card.stick_copy
 
 #: Host dtypes that device memory stores, and how.  Every one is stored
 #: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used

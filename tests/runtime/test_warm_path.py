@@ -1,4 +1,4 @@
-"""The C++ warm launch path of eager add/sub/mul/div (csrc/spyre.cpp, "warm
+"""The C++ warm launch path of eager add/sub/mul/div (csrc/warm.cpp, "warm
 elementwise launches") gives exactly what the Python path gives.
 
 Every figure is compared with the path on and off: output values and device

@@ -1,5 +1,5 @@
 """Matmuls that read their weight in place, in its stick layout (sim/direct.py,
-csrc/gemm.cpp).
+csrc/card/gemm.cpp).
 
 The kernel sums fp16 / bf16 / fp32 / DL16 products into fp32 accumulators in a fixed
 order: against a float64 reference it is within fp32 rounding, its SIMD and
@@ -13,7 +13,7 @@ seen by the next read (there is no copy to go stale).
 import pytest
 import torch
 
-from torch_spyre import _C, dl16
+from torch_spyre import _card, dl16
 from torch_spyre.sim import direct
 from torch_spyre.sim.hostviews import VIEWS
 
@@ -63,13 +63,13 @@ def test_kernel_matches_float64_and_its_scalar_path(dtype, m, n, k, chunk, parts
     stick = 32 if dtype == torch.float32 else 64
     w = _stick_weight(n, k, dtype, stick)
     a = torch.randn(m, k + 3)[:, :k]  # a row stride other than k
-    got = _C._stick_gemm(a, w, k, chunk, parts)
+    got = _card.stick_gemm(a, w, k, chunk, parts)
     assert got.shape == (parts, m, n) and got.dtype == torch.float32
     ref = _reference(a, w, k, chunk, parts)
     # fp32 accumulation of k products: error ~ k * 2^-24 * sum |a w|
     bound = k * 2.0**-24 * (a.abs().double() @ _values(w).reshape(n, -1)[:, :k].abs().double().T)
     assert ((got.double() - ref).abs() <= bound + 1e-30).all()
-    assert torch.equal(got, _C._stick_gemm(a, w, k, chunk, parts, simd=False))
+    assert torch.equal(got, _card.stick_gemm(a, w, k, chunk, parts, simd=False))
 
 
 def test_kernel_bits_do_not_depend_on_threads():
@@ -79,9 +79,9 @@ def test_kernel_bits_do_not_depend_on_threads():
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _C._stick_gemm(a, w, 576, 192, 3)
+        one = _card.stick_gemm(a, w, 576, 192, 3)
         torch.set_num_threads(2)
-        two = _C._stick_gemm(a, w, 576, 192, 3)
+        two = _card.stick_gemm(a, w, 576, 192, 3)
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(one, two)
@@ -90,11 +90,11 @@ def test_kernel_bits_do_not_depend_on_threads():
 def test_kernel_rejects_bad_operands():
     w = _stick_weight(8, 64, torch.float16, 64)
     with pytest.raises(RuntimeError, match="fp32"):
-        _C._stick_gemm(torch.randn(2, 64).half(), w, 64, 64, 1)
+        _card.stick_gemm(torch.randn(2, 64).half(), w, 64, 64, 1)
     with pytest.raises(RuntimeError, match="k exceeds"):
-        _C._stick_gemm(torch.randn(2, 64), w, 65, 65, 1)
+        _card.stick_gemm(torch.randn(2, 64), w, 65, 65, 1)
     with pytest.raises(RuntimeError, match="fp16, bf16, fp32 or int16"):
-        _C._stick_gemm(torch.randn(2, 64), w.to(torch.float64), 64, 64, 1)
+        _card.stick_gemm(torch.randn(2, 64), w.to(torch.float64), 64, 64, 1)
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_a_contraction_of_one_element():
     got = (a.to("spyre").t() @ b.to("spyre")).cpu()
     torch.testing.assert_close(got, (a.float().t() @ b.float()).half(), rtol=1e-3, atol=1e-3)
     column = torch.randn(1, 5).t()  # [5, 1] with column stride 5
-    assert _C._stick_gemm(column, _stick_weight(3, 1, torch.float16, 64), 1, 1, 1).shape == (
+    assert _card.stick_gemm(column, _stick_weight(3, 1, torch.float16, 64), 1, 1, 1).shape == (
         1,
         5,
         3,

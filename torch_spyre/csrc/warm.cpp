@@ -1,7 +1,7 @@
 // The warm launch of the commonest elementwise ops (add, sub, mul, div on
 // whole operands of one shape and dtype), from what Python recorded of its own
-// first launch of the same call; the card state it reads is spyre.cpp's
-// (card.h).
+// first launch of the same call; it reads the layout map (runtime.h) and
+// accounts its launches on the card (card_api.h).
 #include <ATen/ATen.h>
 #include <ATen/ops/add_compositeexplicitautogradnonfunctional_dispatch.h>
 #include <ATen/ops/div_compositeexplicitautogradnonfunctional_dispatch.h>
@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "card.h"
+#include "runtime.h"
 
 namespace spyre {
 
@@ -38,11 +38,12 @@ namespace spyre {
 //    elementwise runner (sim/executor.py, _same_layout_elementwise): add/sub/
 //    mul straight into the output in its dtype (the op's out= form), div in
 //    fp32 then rounded once into the output; padding included, as there;
-//  * the same modelled time: the card's C++ clock (events) at once, and the
-//    Python card's clock, kernel count and kernel time through an ordered log
-//    the card replays (sim/card.py, _sync) before anything reads them, so the
-//    floating-point sums are the very same additions in the same order;
-//  * the same dispatch-stats and kernel-cache hit counts, drained likewise.
+//  * the same modelled time: one kernel of its modelled time accounted on
+//    the card (card_api.h, account_kernel), which the Python path's launches
+//    add to too, so the floating-point sums are the very same additions in
+//    the same order;
+//  * the same dispatch-stats and kernel-cache hit counts, taken by Python
+//    (warm_counts, warm_take_hits) when it reports them.
 // The output is a fresh block (a new block id), so no host view of it can
 // exist to go stale (sim/hostviews.py).  Anything else goes to PyTorch's
 // composite kernel, i.e. exactly the route these ops took before this
@@ -55,9 +56,6 @@ namespace spyre {
 // layouts).
 enum WarmOp { kWarmAdd = 0, kWarmSub = 1, kWarmMul = 2, kWarmDiv = 3, kWarmOps = 4 };
 constexpr int kWarmMaxDims = 8;
-// a bound on unreplayed runs of the clock log: past it calls take the Python
-// path, whose accounting replays the log (memory stays bounded)
-constexpr size_t kWarmLogMax = size_t(1) << 16;
 
 struct WarmKey {
   int op = 0, device = 0, dtype = 0, ndim = 0;
@@ -93,8 +91,6 @@ static std::unordered_map<std::string, int64_t> g_warm_orphans;  // counts of cl
 static std::atomic<bool> g_warm_allowed{false};
 static int64_t g_warm_served = 0;  // over the process's life (tests)
 static int64_t g_warm_hits = 0;    // kernel-cache hits not yet counted in Python
-// per card: (time, launches) runs, in launch order, not yet on the Python card
-static std::vector<std::pair<double, int64_t>> g_warm_log[kMaxCards];
 
 static bool warm_key(int op, const at::Tensor& t, WarmKey& k) {
   auto sizes = t.sizes();
@@ -149,8 +145,7 @@ static std::optional<at::Tensor> warm_launch(int op, const at::Tensor& a, const 
   if (pa == nullptr || pb == nullptr) return std::nullopt;
   std::lock_guard<std::mutex> lock(g_warm_mutex);
   auto it = g_warm.find(key);
-  auto& log = g_warm_log[key.device];
-  if (it == g_warm.end() || log.size() >= kWarmLogMax) return std::nullopt;
+  if (it == g_warm.end()) return std::nullopt;
   auto& e = it->second;
   auto out = empty_with_layout(e.layout, a.sizes(), e.strides, key.device, e.nbytes, e.layout_id);
   void* po = out.storage().data_ptr().get();
@@ -176,10 +171,8 @@ static std::optional<at::Tensor> warm_launch(int op, const at::Tensor& a, const 
       default: at::div_out(o, x, y); break;
     }
   }
-  // the accounting of cards.advance_clock and SimulatedCard.account
-  g_clock_ps[key.device].fetch_add(static_cast<int64_t>(e.time_s * 1e12));
-  if (!log.empty() && log.back().first == e.time_s) log.back().second += 1;
-  else log.emplace_back(e.time_s, 1);
+  // the accounting of SimulatedCard.account
+  card().account_kernel(key.device, e.time_s);
   e.pending += 1;
   g_warm_served += 1;
   g_warm_hits += 1;
@@ -284,26 +277,6 @@ static void warm_clear() {
   g_warm.clear();
 }
 
-// Card `device`'s launches since the last drain, replayed in order onto its
-// Python clock and kernel time (the additions SimulatedCard.account makes):
-// None when there are none, else (clock_s, kernel_time_s, kernels).
-static py::object warm_drain(int device, double clock_s, double kernel_time_s) {
-  if (device < 0 || device >= kMaxCards) return py::none();
-  std::lock_guard<std::mutex> lock(g_warm_mutex);
-  auto& log = g_warm_log[device];
-  if (log.empty()) return py::none();
-  int64_t n = 0;
-  for (const auto& run : log) {
-    for (int64_t i = 0; i < run.second; ++i) {
-      clock_s += run.first;
-      kernel_time_s += run.first;
-    }
-    n += run.second;
-  }
-  log.clear();
-  return py::make_tuple(clock_s, kernel_time_s, n);
-}
-
 static py::dict warm_info() {
   std::lock_guard<std::mutex> lock(g_warm_mutex);
   py::dict d;
@@ -320,7 +293,6 @@ void def_warm(py::module_& m) {
   m.def("_warm_counts", &warm_counts);
   m.def("_warm_take_hits", &warm_take_hits);
   m.def("_warm_clear", &warm_clear);
-  m.def("_warm_drain", &warm_drain);
   m.def("_warm_info", &warm_info);
   m.def("_warm_allow", [](bool on) { g_warm_allowed.store(on); });
 }

@@ -385,7 +385,6 @@ def _launch_ready(ready: _Ready, args: tuple, kwargs: dict) -> torch.Tensor | No
     if not sim_card._timing_only:
         fast(bind)
     card.account(rep)
-    cards.advance_clock(device.index, rep.time_s)
     return out
 
 

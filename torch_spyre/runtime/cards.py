@@ -7,11 +7,10 @@ could replace the simulator here.
 
 from __future__ import annotations
 
-from torch_spyre import _C, layout, settings
+from torch_spyre import _C, _card, settings
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.sim import SimulatedCard, get_card, timing_only_active, trace
 from torch_spyre.sim import card as sim_card
-from torch_spyre.sim.hostviews import VIEWS
 
 MAX_CARDS = 8
 
@@ -24,15 +23,9 @@ def configured_num_cards() -> int:
 
 
 def init() -> None:
-    """Tell the allocator how many cards there are and how much each holds."""
+    """Tell the card module how many cards there are and how much each holds."""
     n = configured_num_cards()
-    _C._init_cards(n, [card(i).config.device_memory_bytes for i in range(n)])
-    # the executor keeps host-layout views of device blocks (sim/hostviews.py)
-    VIEWS.bind(_C._block_of, device_bytes_in_use)
-    layout.fast_copy = _C._stick_copy
-    # the C++ warm launch path (csrc/warm.cpp) accounts its launches in C++;
-    # the cards replay them before anything reads their clocks
-    sim_card.bind_launches(_C._warm_drain)
+    _card.set_cards(n, [card(i).config.device_memory_bytes for i in range(n)])
     sim_card.on_reset(_C._warm_clear)  # its entries hold the old cards' modelled times
     sim_card.watch(_update_warm_path)
     settings.watch(_update_warm_path)
@@ -60,11 +53,20 @@ def _update_warm_path(*_: object) -> None:
 
 def device_bytes_in_use() -> int:
     """Device memory held by live tensors on all cards, in bytes."""
-    return sum(_C._stats(i)["allocated_bytes"] for i in range(num_cards()))
+    return sum(memory_stats(i)["allocated_bytes"] for i in range(num_cards()))
+
+
+def memory_stats(index: int) -> dict[str, int]:
+    """Card ``index``'s device memory: allocated, peak, capacity, counts."""
+    return _card.mem_stats(index)
+
+
+def reset_peak_memory(index: int) -> None:
+    _card.reset_peak(index)
 
 
 def num_cards() -> int:
-    return _C._device_count()
+    return _card.num_cards()
 
 
 def card(index: int) -> SimulatedCard:
@@ -77,8 +79,7 @@ def config(index: int = 0) -> HardwareConfig:
 
 def record_transfer(index: int, kind: str, nbytes: int, label: str = "") -> None:
     """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
-    rec = card(index).record_transfer(kind, nbytes, label)
-    advance_clock(index, rec.time_s)
+    card(index).record_transfer(kind, nbytes, label)
 
 
 def record_collective(
@@ -89,12 +90,4 @@ def record_collective(
     c = card(index)
     before = c.clock_s
     c.record_collective(op, nbytes, time_s, start_s)
-    moved = c.clock_s - before
-    advance_clock(index, moved)
-    return moved
-
-
-def advance_clock(index: int, seconds: float) -> None:
-    """Mirror the card's modelled clock into the C++ device, where events read it
-    (torch.Event timing runs in C++ and cannot call into Python)."""
-    _C._advance_clock(index, seconds)
+    return c.clock_s - before

@@ -267,15 +267,15 @@ def stream(stream: torch.Stream | None):
 # ------------------------------------------------------------------- memory
 def memory_allocated(device: DeviceLike = None) -> int:
     """Device memory held by live tensors, in bytes (whole sticks)."""
-    return _C._stats(_checked(device))["allocated_bytes"]
+    return cards.memory_stats(_checked(device))["allocated_bytes"]
 
 
 def max_memory_allocated(device: DeviceLike = None) -> int:
-    return _C._stats(_checked(device))["peak_allocated_bytes"]
+    return cards.memory_stats(_checked(device))["peak_allocated_bytes"]
 
 
 def reset_peak_memory_stats(device: DeviceLike = None) -> None:
-    _C._reset_peak(_checked(device))
+    cards.reset_peak_memory(_checked(device))
 
 
 def reset_max_memory_allocated(device: DeviceLike = None) -> None:
@@ -300,14 +300,14 @@ def empty_cache() -> None:
 
 
 def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
-    s = _C._stats(_checked(device))
+    s = cards.memory_stats(_checked(device))
     return s["capacity_bytes"] - s["allocated_bytes"], s["capacity_bytes"]
 
 
 def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     """Counters in torch.cuda.memory_stats' naming, plus the card's capacity."""
     idx = _checked(device)
-    s = _C._stats(idx)
+    s = cards.memory_stats(idx)
     card = cards.card(idx).stats()
     out = {
         "allocated_bytes.all.current": s["allocated_bytes"],
@@ -333,4 +333,4 @@ def memory_summary(device: DeviceLike = None) -> str:
 
 def modelled_time_s(device: DeviceLike = None) -> float:
     """The card's modelled clock: kernel and transfer time so far, in seconds."""
-    return _C._clock_s(_checked(device))
+    return cards.card(_checked(device)).clock_s

@@ -18,7 +18,8 @@ def register() -> None:
         from torch_spyre import _C  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            "torch_spyre's C++ extension (torch_spyre._C) is not built in this checkout: "
+            "torch_spyre's C++ extensions (torch_spyre._C and torch_spyre._card) are not "
+            "built in this checkout: "
             "run `bash scripts/install.sh` (or `python setup.py build_ext --inplace`). "
             "To import torch without torch_spyre, set TORCH_DEVICE_BACKEND_AUTOLOAD=0."
         ) from err

@@ -11,7 +11,6 @@ the same calls.
 
 from torch_spyre.sim import trace
 from torch_spyre.sim.card import (
-    CardStats,
     SimulatedCard,
     get_card,
     reset_cards,
@@ -24,7 +23,6 @@ from torch_spyre.sim.timing import KernelReport, estimate
 from torch_spyre.sim.trace import KernelRecord, TransferRecord
 
 __all__ = [
-    "CardStats",
     "KernelRecord",
     "KernelReport",
     "SimulatedCard",

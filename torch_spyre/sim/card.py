@@ -2,7 +2,11 @@
 
 Each card keeps a modelled clock: kernels and transfers run one after another
 (the runtime launches synchronously), so a record starts where the previous
-one ended.
+one ended.  The clock and the counters live in the card module
+(``torch_spyre._card``, csrc/card/card_api.h), their one owner: the
+process's cards use its clocks 0..7, which the runtime's C++ (events, the
+warm launch path) reads and moves too; a card made for a study gets a clock
+of its own.
 """
 
 from __future__ import annotations
@@ -10,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from torch_spyre import settings
+from torch_spyre import _card, settings
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import GroupedProgram, Program
 from torch_spyre.sim import trace
@@ -88,60 +91,29 @@ def watch(fn: Callable[[], None]) -> None:
     trace.watch(fn)
 
 
-#: ``drain(index, clock_s, kernel_time_s)``: launches that the runtime accounted
-#: outside Python on card ``index`` since the last call, replayed in order onto
-#: the given clock and kernel time: None, or (clock_s, kernel_time_s, kernels)
-Drain = Callable[[int, float, float], tuple[float, float, int] | None]
-_drain: Drain | None = None
 #: told when the cards are rebuilt (``reset_cards``: modelled times may change)
 _on_reset: list[Callable[[], None]] = []
 
 
 def on_reset(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` after ``reset_cards`` (state kept per card must go)."""
+    """Call ``fn()`` after ``reset_cards`` (caches of modelled times must go)."""
     _on_reset.append(fn)
 
 
-def bind_launches(drain: Drain) -> None:
-    """Connect the process's cards to launches accounted outside Python (the
-    runtime does it): each card replays them (``drain``) before its clock or
-    counters are read or moved, so they are the same additions in the same
-    order as if ``account`` had made them."""
-    global _drain
-    _drain = drain
-    for card in list(_cards.values()):
-        card._drain = drain
-
-
-@dataclass
-class CardStats:
-    kernels: int = 0
-    kernel_time_s: float = 0.0
-    transfers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
-    transfer_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
-    transfer_time_s: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0)
-    )
-    #: card-to-card collectives (sim/interconnect.py): count, bytes, link time,
-    #: and time spent waiting for the slowest card to arrive
-    collectives: int = 0
-    collective_bytes: int = 0
-    collective_time_s: float = 0.0
-    collective_wait_s: float = 0.0
-
-
 class SimulatedCard:
-    def __init__(self, index: int = 0, config: HardwareConfig | None = None) -> None:
+    """One card: its hardware config, the timing of its programs, its clock.
+
+    ``clock``: the card module's clock to keep time on (``get_card`` gives the
+    process's cards theirs); default a clock of this card's own."""
+
+    def __init__(
+        self, index: int = 0, config: HardwareConfig | None = None, clock: _card.Clock | None = None
+    ) -> None:
         if not 0 <= index < MAX_CARDS:
             raise ValueError(f"card index must be 0..{MAX_CARDS - 1}, got {index}")
         self.index = index
         self.config = config or HardwareConfig.from_env()
-        self._clock_s = 0.0
-        self._stats = CardStats()
-        self._lock = threading.Lock()
-        #: set on the process's cards (``get_card``) once launches can be
-        #: accounted outside Python (``bind_launches``)
-        self._drain: Drain | None = None
+        self._clock = clock if clock is not None else _card.Clock()
         # timing depends only on (program, config): cache it per program
         self._reports: dict[str, KernelReport] = {}
 
@@ -151,19 +123,7 @@ class SimulatedCard:
     @property
     def clock_s(self) -> float:
         """The modelled clock (seconds)."""
-        if self._drain is not None:
-            with self._lock:
-                self._sync()
-        return self._clock_s
-
-    def _sync(self) -> None:
-        """Add the launches accounted outside Python (caller holds ``_lock``)."""
-        if self._drain is None:
-            return
-        got = self._drain(self.index, self._clock_s, self._stats.kernel_time_s)
-        if got is not None:
-            self._clock_s, self._stats.kernel_time_s, n = got
-            self._stats.kernels += n
+        return self._clock.clock_s
 
     # ------------------------------------------------------------ kernels
     def estimate(self, program: Program | GroupedProgram) -> KernelReport:
@@ -206,12 +166,7 @@ class SimulatedCard:
     def account(self, rep: KernelReport) -> KernelReport:
         """Advance the clock and the counters by one launch of ``rep``'s kernel
         (``run`` without the execution: for callers that executed it themselves)."""
-        with self._lock:
-            self._sync()
-            start = self._clock_s
-            self._clock_s += rep.time_s
-            self._stats.kernels += 1
-            self._stats.kernel_time_s += rep.time_s
+        start = self._clock.account_kernel(rep.time_s)
         if trace.listening():
             trace.emit(trace.KernelRecord(self.index, start, rep))
         return rep
@@ -231,14 +186,7 @@ class SimulatedCard:
         if nbytes < 0:
             raise ValueError(f"transfer of {nbytes} bytes")
         t = self.transfer_time(kind, int(nbytes))
-        with self._lock:
-            self._sync()
-            start = self._clock_s
-            self._clock_s += t
-            st = self._stats
-            st.transfers[kind] += 1
-            st.transfer_bytes[kind] += int(nbytes)
-            st.transfer_time_s[kind] += t
+        start = self._clock.account_transfer(TRANSFER_KINDS.index(kind), int(nbytes), t)
         rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t, label)
         trace.emit(rec)
         return rec
@@ -252,46 +200,21 @@ class SimulatedCard:
         on (sim/interconnect.py gives it)."""
         if nbytes < 0 or time_s < 0:
             raise ValueError(f"collective {op}: {nbytes} bytes in {time_s} s")
-        with self._lock:
-            self._sync()
-            now = self._clock_s
-            start = max(now, now if start_s is None else start_s)
-            wait = start - now
-            self._clock_s = start + time_s
-            st = self._stats
-            st.collectives += 1
-            st.collective_bytes += int(nbytes)
-            st.collective_time_s += time_s
-            st.collective_wait_s += wait
+        start, _wait = self._clock.account_collective(int(nbytes), time_s, start_s)
         rec = trace.TransferRecord(self.index, "c2c", int(nbytes), start, time_s, op)
         trace.emit(rec)
         return rec
 
     # -------------------------------------------------------------- stats
     def stats(self) -> dict:
-        with self._lock:
-            self._sync()
-        st = self._stats
-        return {
-            "card": self.index,
-            "clock_s": self._clock_s,
-            "kernels": st.kernels,
-            "kernel_time_s": st.kernel_time_s,
-            "transfers": dict(st.transfers),
-            "transfer_bytes": dict(st.transfer_bytes),
-            "transfer_time_s": dict(st.transfer_time_s),
-            "collectives": st.collectives,
-            "collective_bytes": st.collective_bytes,
-            "collective_time_s": st.collective_time_s,
-            "collective_wait_s": st.collective_wait_s,
-        }
+        """The clock and what ran: kernels, transfers by kind (h2d, d2h, d2d),
+        card-to-card collectives (count, bytes, link time, and time spent
+        waiting for the slowest card to arrive)."""
+        return {"card": self.index, **self._clock.stats()}
 
     def reset(self) -> None:
         """Zero the clock and the counters (the config stays)."""
-        with self._lock:
-            self._sync()  # launches before the reset are not counted after it
-            self._clock_s = 0.0
-            self._stats = CardStats()
+        self._clock.reset()
 
 
 _cards: dict[int, SimulatedCard] = {}
@@ -308,8 +231,8 @@ def get_card(index: int = 0) -> SimulatedCard:
     with _cards_lock:
         card = _cards.get(index)
         if card is None:
-            card = _cards[index] = SimulatedCard(index, _override or HardwareConfig.from_env())
-            card._drain = _drain
+            config = _override or HardwareConfig.from_env()
+            card = _cards[index] = SimulatedCard(index, config, _card.clock(index))
         return card
 
 
@@ -324,9 +247,8 @@ def reset_cards(config: HardwareConfig | None = None) -> None:
     """
     global _override
     with _cards_lock:
-        for card in _cards.values():  # their launches stay theirs
-            with card._lock:
-                card._sync()
+        for card in _cards.values():  # the new cards start their clocks at zero
+            card.reset()
         _cards.clear()
         _override = config
     for fn in _on_reset:

@@ -6,10 +6,10 @@ kept (``hostviews``), twice the weight's device bytes of host memory.  A
 matmul whose one operand is a model input loaded whole (a weight: an
 ``input`` operand read only by this matmul) instead reads that operand's
 device memory through a strided ``[N, K / S, S]`` view (S elements per
-stick) with ``_C._stick_gemm``: fp16 / bf16 / fp32 (or, on a DL16 card,
+stick) with ``_card.stick_gemm``: fp16 / bf16 / fp32 (or, on a DL16 card,
 DL16: ``TORCH_SPYRE_FP16_FORMAT``) products fused into fp32 accumulators, as
 the PE array accumulates.  The summation order is the
-kernel's own, fixed one (csrc/gemm.cpp), not the host BLAS's: the sums are
+kernel's own, fixed one (csrc/card/gemm.cpp), not the host BLAS's: the sums are
 fp32 sums of the same products, so the results differ from a host GEMM's in
 the last bits of the fp32 accumulator, and the card's own order is not
 modelled either (docs/hardware-model.md, "Accumulation order").
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_spyre import dl16, settings
+from torch_spyre import _card, dl16, settings
 from torch_spyre.ir import Load, Matmul, Program, sole_load
 
 _P = "@"  # the executor's prefix of a per-core partial axis
@@ -182,8 +182,6 @@ def build_load(program: Program, s: Load, dims: dict, p: Plan) -> Callable:
 
 
 def build_matmul(program: Program, s: Matmul, dims: dict, p: Plan, to_res) -> Callable:
-    from torch_spyre import _C
-
     act_dims = dims[p.act]
     m_dims = tuple(d for d in act_dims if d not in p.k_dims)
     order = [act_dims.index(d) for d in m_dims + p.k_dims]
@@ -210,7 +208,7 @@ def build_matmul(program: Program, s: Matmul, dims: dict, p: Plan, to_res) -> Ca
         if rows <= GEMV_ROWS:
             if a.stride(-1) != 1:
                 a = a.contiguous()
-            r = _C._stick_gemm(a, w, k, chunk, parts).view(shape)
+            r = _card.stick_gemm(a, w, k, chunk, parts).view(shape)
         else:
             r = _host_gemm(a, w, k, chunk, parts).view(shape)
         if r_perm is not None:

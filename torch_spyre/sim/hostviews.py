@@ -11,7 +11,7 @@ it came from, until something writes that block:
 * every writer of device memory calls :func:`written` (the executor's stores,
   the runtime's copies, host fallbacks, re-linearisation): a stale view would
   be a wrong answer, and tests write through every writer and read back;
-* a block's id is never reused (``_C._block_of``), so a view of a freed block
+* a block's id is never reused (``_card.block_of``), so a view of a freed block
   cannot serve a new block at the same address; views of freed blocks are
   dropped when the budget needs room;
 * admission on the second read: activations (read once or twice, then freed)
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torch_spyre import settings
+from torch_spyre import _card, settings
 from torch_spyre.layout import SpyreTensorLayout
 
 #: operands smaller than this are converted on every read (cheap; not worth a slot)
@@ -72,19 +72,15 @@ class HostViews:
         self._seen: set[tuple] = set()
         self.bytes = 0
         self.hits = self.misses = self.evictions = self.invalidations = 0
-        self._block_of: BlockOf | None = None
-        self._device_bytes: Callable[[], int] | None = None
+        #: the device memory this process simulates (the card module)
+        self._block_of: BlockOf | None = _card.block_of
+        self._device_bytes: Callable[[], int] | None = _device_bytes_in_use
         self._budget = _budget_from_env()
         self._pressure_checked = 0.0
         #: no admission attempt before this many misses (set when the budget is full)
         self._retry_after = 0
 
     # ------------------------------------------------------------ set-up
-    def bind(self, block_of: BlockOf, device_bytes: Callable[[], int]) -> None:
-        """Connect to the device memory this process simulates (the runtime does):
-        block lookup and the device bytes in use."""
-        self._block_of, self._device_bytes = block_of, device_bytes
-
     def set_budget(self, budget: int | float | None) -> None:
         """Bytes (int), a multiple of the device bytes in use (float), or None (off)."""
         self._budget = budget
@@ -226,6 +222,11 @@ def _budget_from_env() -> int | float | None:
     from torch_spyre.hardware import parse_size
 
     return int(parse_size(raw))
+
+
+def _device_bytes_in_use() -> int:
+    """Device memory held by live tensors on all cards, in bytes."""
+    return sum(_card.mem_stats(i)["allocated_bytes"] for i in range(_card.num_cards()))
 
 
 def _mem_available_fraction() -> float | None:

@@ -1,13 +1,13 @@
 // IBM's DL16 <-> fp32 bit conversions (torch_spyre/dl16.py has the format and
 // the reference in torch ops; these loops compute the same bits, ~20x faster:
 // a DL16 card converts every operand it reads and writes).
-#include <torch/extension.h>
+#include "card.h"
 
 #include <ATen/Parallel.h>
 
 #include "dl16.h"
 
-namespace spyre {
+namespace spyre_card {
 
 // DL16 bits (int16) of fp32 `values` (contiguous)
 at::Tensor dl16_encode(const at::Tensor& values) {
@@ -35,4 +35,4 @@ at::Tensor dl16_decode(const at::Tensor& bits) {
   return out;
 }
 
-}  // namespace spyre
+}  // namespace spyre_card

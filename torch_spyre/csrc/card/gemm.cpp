@@ -14,7 +14,7 @@
 // part of one inside a core's k chunk), then the 16 lanes are summed in a
 // fixed pairwise tree.  The order is fixed, so results do not depend on the
 // host's SIMD width or thread count: the scalar path computes the same bits.
-#include <torch/extension.h>
+#include "card.h"
 
 #include <ATen/Parallel.h>
 
@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-namespace spyre {
+namespace spyre_card {
 namespace {
 
 constexpr int kLanes = 16;
@@ -310,4 +310,4 @@ at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64
   return out;
 }
 
-}  // namespace spyre
+}  // namespace spyre_card

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace spyre {
+namespace spyre_card {
 
 // the DL16 bias is 31, fp32's 127
 constexpr int32_t kBiasShift = 127 - 31;
@@ -45,4 +45,4 @@ inline float dl16_decode_one(int16_t bits) {
   return v;
 }
 
-}  // namespace spyre
+}  // namespace spyre_card
