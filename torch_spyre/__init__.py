@@ -8,7 +8,7 @@ simulated card, stick layouts, copies and eager ops.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from torch_spyre._version import __version__  # noqa: E402, F401
 
 
 def _autoload() -> None:

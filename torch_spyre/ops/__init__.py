@@ -10,7 +10,7 @@ _libs: list[torch.library.Library] = []
 def register() -> None:
     if _libs:
         return
-    from torch_spyre.ops import (  # noqa: F401  (importing registers the kernels)
+    from torch_spyre.ops import (  # noqa: F401  (importing declares the kernels)
         adapters,
         attention,
         conv,
@@ -23,8 +23,13 @@ def register() -> None:
         paged_attention,
         quantized,
         reductions,
+        registry,
         ssm,
     )
+
+    registry.register()  # the kernels the modules above declared
+    attention.register()
+    quantized.register()
 
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(dispatch.catch_all, "PrivateUse1")

@@ -287,6 +287,3 @@ def register() -> None:
     if _lib is None:
         _lib = torch.library.Library("aten", "IMPL")
         _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
-
-
-register()

@@ -22,8 +22,6 @@ from torch_spyre.kernels import eager as programs
 from torch_spyre.layout import FP8_DTYPES, SUPPORTED_DTYPES
 from torch_spyre.ops import errors
 from torch_spyre.runtime import cards, launch, operands, scalars
-from torch_spyre.sim import card as sim_card
-from torch_spyre.sim import executor as sim_executor
 
 # Ops the vector unit evaluates with its transcendental path (a table lookup /
 # iteration per element); everything else is one simple vector operation.
@@ -163,20 +161,12 @@ class _Ready:
     """A warm call: its kernel, where its input tensors sit among the arguments
     (args, then kwargs values less a keyword-only out) and where its output is."""
 
-    __slots__ = ("kernel", "slots", "out_kw", "out_pos", "shape", "dtype", "direct")
+    __slots__ = ("kernel", "slots", "out_kw", "out_pos", "shape", "dtype", "prepared")
 
     def __init__(self, kernel, slots, out_kw, out_pos, shape, dtype, device) -> None:
         self.kernel, self.slots, self.shape, self.dtype = kernel, slots, shape, dtype
         self.out_kw, self.out_pos = out_kw, out_pos
-        # (card, its report, the unchecked runner) when the program is the
-        # executor's one-op elementwise form: the launch then skips the card's
-        # generic run (runner lookup, operand checks) but accounts the same time
-        run = sim_executor.runner(kernel.program)
-        fast = getattr(run, "unchecked", None)
-        self.direct = None
-        if fast is not None:
-            card = cards.card(device.index)
-            self.direct = (card, kernel.report(device.index), fast)
+        self.prepared = kernel.prepare(device.index)
 
 
 #: (op, signature of each argument) -> _Ready, for calls whose arguments are
@@ -185,7 +175,7 @@ _ready: dict[tuple, _Ready] = {}
 launch.on_clear(_ready.clear)
 launch.on_clear(_C._warm_clear)
 # a _Ready holds its card and that card's report: rebuilt cards need new ones
-sim_card.on_reset(_ready.clear)
+cards.on_reset(_ready.clear)
 
 #: the out= overloads PyTorch's composite add/sub/mul/div.Tensor call, by the
 #: C++ warm path's op code (csrc/warm.cpp, WarmOp), and the executor's form
@@ -205,7 +195,7 @@ def _record_warm(plan: _Plan, ready: _Ready, template: list, tensors: list) -> N
     warm = _WARM.get(plan.name)
     if (
         warm is None
-        or ready.direct is None
+        or ready.prepared.fast is None
         or len(tensors) != 2
         or len(template) != 2  # a scalar or keyword (alpha) is bound: Python serves it
     ):
@@ -217,11 +207,11 @@ def _record_warm(plan: _Plan, ready: _Ready, template: list, tensors: list) -> N
         or a.dtype != b.dtype
         or ready.shape != tuple(a.shape)
         or ready.dtype != a.dtype
-        or getattr(ready.direct[2], "form", None) != warm[1]
+        or ready.prepared.form != warm[1]
     ):
         return
     code, form = warm
-    rep = ready.direct[1]
+    rep = ready.prepared.report
     _C._warm_put(
         code, a.device.index, a.dtype, list(a.shape), rep.time_s, form == "upcast", plan.name
     )
@@ -377,14 +367,7 @@ def _launch_ready(ready: _Ready, args: tuple, kwargs: dict) -> torch.Tensor | No
     memory = operands.memory
     bind = {name: memory(flat[i]) for name, i in zip(_IN_NAMES, ready.slots)}
     bind["out"] = out_mem
-    direct = ready.direct
-    if direct is None:
-        ready.kernel.launch_memory(device.index, bind)
-        return out
-    card, rep, fast = direct
-    if not sim_card._timing_only:
-        fast(bind)
-    card.account(rep)
+    ready.prepared.launch(bind)
     return out
 
 

@@ -283,9 +283,17 @@ def _quantized_linear_device(x, weight, weight_scale, bias=None) -> torch.Tensor
     return out.view(out_shape)
 
 
-_lib.impl("quantize", _quantize_device, "PrivateUse1")
-_lib.impl("dequantize", _dequantize_device, "PrivateUse1")
-_lib.impl("quantized_linear", _quantized_linear_device, "PrivateUse1")
+_registered = False
+
+
+def register() -> None:
+    """The spyre kernels of the quantisation ops (``ops.register`` calls it)."""
+    global _registered
+    if not _registered:
+        _lib.impl("quantize", _quantize_device, "PrivateUse1")
+        _lib.impl("dequantize", _dequantize_device, "PrivateUse1")
+        _lib.impl("quantized_linear", _quantized_linear_device, "PrivateUse1")
+        _registered = True
 
 
 # ------------------------------------------------------------- _scaled_mm

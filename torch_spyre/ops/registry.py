@@ -10,13 +10,20 @@ from torch_spyre.ops.errors import annotated, fp8_arithmetic, fp8_operand
 from torch_spyre.runtime import dispatch_stats
 
 _lib: torch.library.Library | None = None
+#: (overload name, kernel) declared by the ``kernel`` decorator, registered by
+#: ``register()`` (``torch_spyre/__init__.py``): importing an op module
+#: registers nothing
+_declared: list[tuple[str, Callable]] = []
 
 
-def _library() -> torch.library.Library:
+def register() -> None:
+    """Register every declared kernel with PyTorch (idempotent)."""
     global _lib
     if _lib is None:
         _lib = torch.library.Library("aten", "IMPL")
-    return _lib
+    while _declared:
+        name, impl = _declared.pop(0)
+        _lib.impl(name, impl, "PrivateUse1")
 
 
 class NoKernel(Exception):
@@ -60,7 +67,9 @@ def kernel(*names: str, path: str = "kernel", fallback: Callable | None = None, 
                 dispatch_stats.record(path, _name)
                 return result
 
-            _library().impl(name.removesuffix(".default"), impl, "PrivateUse1")
+            _declared.append((name.removesuffix(".default"), impl))
+            if _lib is not None:  # declared after registration: register now
+                register()
         return fn
 
     return wrap

@@ -32,6 +32,12 @@ def init() -> None:
     _update_warm_path()
 
 
+def on_reset(fn) -> None:
+    """Call ``fn()`` after the cards are rebuilt (``sim.reset_cards``: a new
+    hardware config): caches of modelled times must go."""
+    sim_card.on_reset(fn)
+
+
 def warm_path(on: bool | None = None) -> bool:
     """Whether eager ``add``/``sub``/``mul``/``div`` calls the Python path has
     launched before may be served by the C++ warm path; ``on`` sets it.

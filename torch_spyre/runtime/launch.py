@@ -17,7 +17,8 @@ from torch_spyre import _C
 from torch_spyre.ir import Program, ProgramError
 from torch_spyre.ir import vector_ops as sim_ops
 from torch_spyre.runtime import cards, operands
-from torch_spyre.sim import KernelReport
+from torch_spyre.sim import KernelReport, timing_only_active
+from torch_spyre.sim.executor import runner
 
 
 @dataclass
@@ -45,10 +46,40 @@ class Kernel:
         rep = cards.card(device).run(self.program, buffers, self.report(device))
         return rep
 
+    def prepare(self, device: int) -> Prepared:
+        """The kernel resolved for card ``device`` (its report and runner), for
+        callers that launch it again and again (``Prepared.launch``)."""
+        return Prepared(self, device)
+
     def model_only(self, device: int) -> KernelReport:
         """Model the program on the card; the caller computed the result itself."""
         rep = cards.card(device).run(self.program, None, self.report(device))
         return rep
+
+
+class Prepared:
+    """A kernel ready to launch on one card: the card, the program's report on
+    it and, when the program is the executor's one-op elementwise form, its
+    unchecked runner (``fast``, with the executor's ``form`` of the op): a
+    launch then skips the card's generic run (runner lookup, operand checks)
+    but accounts the same time.  Rebuild it after ``cards`` are reset."""
+
+    __slots__ = ("kernel", "card", "report", "fast", "form")
+
+    def __init__(self, kernel: Kernel, device: int) -> None:
+        self.kernel = kernel
+        self.card = cards.card(device)
+        self.report = kernel.report(device)
+        self.fast = getattr(runner(kernel.program), "unchecked", None)
+        self.form = getattr(self.fast, "form", None)
+
+    def launch(self, buffers: dict[str, torch.Tensor]) -> KernelReport:
+        """Run on the operands' device memory ``buffers`` and account it."""
+        if self.fast is None:
+            return self.card.run(self.kernel.program, buffers, self.report)
+        if not timing_only_active():
+            self.fast(buffers)
+        return self.card.account(self.report)
 
 
 _cache: dict[Any, Kernel] = {}
