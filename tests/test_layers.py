@@ -178,3 +178,15 @@ def test_producers_register_kernels_only_when_asked(unit):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
     )
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_docs_table_is_the_layers():
+    """docs/architecture.md's table lists the packages of each layer, as here."""
+    import re
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = re.search(r"<!-- layers table.*?-->\n(.*?)<!-- end of layers table -->", doc, re.S)
+    assert table is not None
+    rows = [r for r in table.group(1).splitlines() if re.match(r"\| \d+ \|", r)]
+    got = {int(r.split("|")[1]): set(re.findall(r"`([\w]+)`", r.split("|")[2])) for r in rows}
+    assert got == dict(enumerate(LAYERS))
