@@ -28,10 +28,10 @@ _registered = False
 
 def backend_version() -> str:
     """torch_spyre's version plus a hash of the sources that shape compiled code."""
-    from torch_spyre._version import __version__
+    from torch_spyre import _version
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(__version__.encode())
+    h = hashlib.sha256(_version.__version__.encode())
     for sub in ("compiler", "kernels", "ir", "sim", "runtime", "ops"):
         for p in sorted((root / sub).rglob("*.py")):
             h.update(p.relative_to(root).as_posix().encode())
@@ -39,7 +39,7 @@ def backend_version() -> str:
     for name in ("layout.py", "hardware.py", "settings.py"):
         if (root / name).exists():
             h.update((root / name).read_bytes())
-    return f"{__version__}+{h.hexdigest()[:16]}"
+    return f"{_version.__version__}+{h.hexdigest()[:16]}"
 
 
 def register_interface() -> None:
