@@ -133,6 +133,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_SPYRE_TIMING_ONLY", "timing_only", _flag,
         "kernel programs are validated, timed and traced but not executed (output memory "
         "holds unspecified values; `torch_spyre.sim.timing_only()` for a block)", "0"),
+    Var("TORCH_SPYRE_COMPILE_FALLBACK", "compile_fallback", _choice("warn", "allow", "error"),
+        "what the compiler does with a group it cannot plan: `warn` / `allow` split it and "
+        "run what still does not plan as eager kernels inside the graph (counted; `warn` "
+        "also warns), `error` raises (docs/compiler.md, \"The degrade path\")", "warn"),
     Var("TORCH_SPYRE_DEBUG", "debug", _flag,
         "print every compiled kernel program and its LX use", "0"),
     Var("TORCH_SPYRE_CCL_TIMEOUT_S", "ccl_timeout_s", _seconds,
@@ -174,6 +178,7 @@ class Settings:
     host_views: str = "1.0x"
     stick_gemm: bool = True
     timing_only: bool = False
+    compile_fallback: str = "warn"
     debug: bool = False
     ccl_timeout_s: float | None = None
     model_cache: str | None = None

@@ -35,6 +35,10 @@ class GraphState:
     prologues: dict[str, Any] = field(default_factory=dict)
     #: kernel names defined in the wrapper module's header
     defined: set[str] = field(default_factory=set)
+    #: degrade steps taken in this graph by kind (``degrade.py``: split, eager,
+    #: eager_extern) and the nodes run as eager kernels, with the reason
+    degraded: dict[str, int] = field(default_factory=dict)
+    degraded_nodes: list[tuple[str, str]] = field(default_factory=list)
 
 
 #: state of wrappers that are not ours (no field to hold it)

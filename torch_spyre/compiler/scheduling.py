@@ -26,7 +26,7 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
 
 from torch_spyre import settings
-from torch_spyre.compiler import graph_state, layouts, lowering
+from torch_spyre.compiler import degrade, eager_nodes, graph_state, layouts, lowering
 from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
@@ -132,29 +132,19 @@ class SpyreScheduling(BaseScheduling):
                         t_apart * 1e6,
                     )
                     plans = [apart]
-        try:
-            plans = plans or [self._plan(nodes)]
-        except lowering.Unsupported as first:
-            log.info(
-                "spyre: fused group of %d nodes not planned as one kernel: %s", len(nodes), first
-            )
-            plans = []
-            for n in nodes:
-                try:
-                    plans.append(self._plan([n]))
-                except lowering.Unsupported as e:
-                    origins = sorted(str(o) for o in (n.node.origins or ()))
-                    raise lowering.Unsupported(
-                        f"spyre compiler: cannot plan {n.get_name()} (from {', '.join(origins)}) "
-                        f"as a kernel program: {e}. Run this op eagerly (outside the compiled "
-                        "region) or file an issue."
-                    ) from None
+        # a group that does not plan is split, then run as eager kernels (degrade.py)
+        state = graph_state.of(V.graph.wrapper_code)
+        plans = plans or degrade.plan_group(nodes, self._plan, state)
         for p in plans:
-            V.graph.removed_buffers |= p.removed
+            if isinstance(p, lowering.Plan):
+                V.graph.removed_buffers |= p.removed
         for n in nodes:
             n.mark_run()
         for p in plans:
-            self._emit(p)
+            if isinstance(p, degrade.EagerNode):
+                self._emit_eager(p)
+            else:
+                self._emit(p)
         self.free_buffers_in_scheduler()
 
     def _defer_weight_prologue(self, nodes) -> bool:
@@ -285,6 +275,26 @@ class SpyreScheduling(BaseScheduling):
                     u.buffer = f"{mm.var}[{mm.inputs.index(u.buffer)}]"
             plan.after = f"del {mm.var}"
         return plan
+
+    def _emit_eager(self, eager: degrade.EagerNode) -> None:
+        """A node no kernel program expresses, run as eager ops in the graph."""
+        wrapper = V.graph.wrapper_code
+        snode = eager.node
+        name = snode.node.get_name()  # the buffer (the scheduler node is opN)
+        try:
+            fname, src, args = eager_nodes.function_source(snode)
+        except lowering.Unsupported as err:
+            raise lowering.Unsupported(
+                f"spyre compiler: cannot plan {name} (from {degrade._origins(snode)}) as a "
+                f"kernel program ({eager.reason}) nor run it as eager kernels ({err}). Run "
+                "this op outside the compiled region, or file an issue with this message."
+            ) from None
+        defined = graph_state.of(wrapper).defined
+        if fname not in defined:
+            defined.add(fname)
+            wrapper.header.writeline(f"{fname} = spyre_rt.eager_function({src!r})")
+        call = ", ".join([fname, repr(name), name, *args])
+        wrapper.writeline(f"spyre_rt.run_eager({call})  # not planned: {eager.reason[:100]}")
 
     def _emit(self, plan: lowering.Plan) -> None:
         wrapper = V.graph.wrapper_code
@@ -437,7 +447,12 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                     ) from None
                 # the eager matmul kernel (functional overload: PE-array program),
                 # then a device copy into Inductor's output buffer
-                log.info("spyre: matmul %s left to the eager kernel: %s", node.get_name(), e)
+                degrade.step(
+                    "eager_extern",
+                    f"matmul {node.get_name()} runs as its eager kernel",
+                    degrade._reason(e),
+                    self.spyre,
+                )
                 node.codegen_comment(self)
                 op = node.python_kernel_name.split(".")[-1]
                 args = [*node.codegen_args(), *node.codegen_kwargs(skip_out=True)]

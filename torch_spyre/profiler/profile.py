@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch_spyre.hardware import HardwareConfig
+from torch_spyre.runtime import dispatch_stats
 from torch_spyre.sim import KernelRecord, KernelReport, TransferRecord, trace
 from torch_spyre.sim.trace import Record
 
@@ -30,6 +31,10 @@ class Profile:
         self.records: list[Record] = []
         self._lock = threading.Lock()
         self._config = config
+        self._degraded_before: dict[str, int] = {}
+        #: nodes of compiled graphs that ran as eager ops inside this profile,
+        #: by buffer name (the compiler could not plan them: compiler/degrade.py)
+        self.degraded: dict[str, int] = {}
 
     # -------------------------------------------------------- collecting
     def _on_record(self, rec: Record) -> None:
@@ -37,11 +42,18 @@ class Profile:
             self.records.append(rec)
 
     def __enter__(self) -> Profile:
+        self._degraded_before = dict(dispatch_stats.counts("degraded"))
         trace.add_listener(self._on_record)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         trace.remove_listener(self._on_record)
+        now = dispatch_stats.counts("degraded")
+        self.degraded = {
+            k: n - self._degraded_before.get(k, 0)
+            for k, n in now.items()
+            if n > self._degraded_before.get(k, 0)
+        }
 
     # ------------------------------------------------------------ views
     @property
@@ -155,6 +167,14 @@ class Profile:
             )
             for op, ts in sorted(fallbacks.items(), key=lambda kv: -sum(t.time_s for t in kv[1])):
                 lines.append(f"{op[:44]:<44} {len(ts):>6} {sum(t.time_s for t in ts) * 1e6:>11.2f}")
+        if self.degraded:
+            lines.append("")
+            lines.append(
+                f"{'compiled-graph nodes run as eager kernels':<44} {'runs':>6}"
+                "  (not planned: see the compile log)"
+            )
+            for node, n in sorted(self.degraded.items()):
+                lines.append(f"{node[:44]:<44} {n:>6}")
         lines.append("")
         lines.append(
             f"total modelled time {self.total_time_s * 1e6:.2f} us "

@@ -10,6 +10,11 @@ device memory and runs.
 
 from __future__ import annotations
 
+import functools
+import math
+import operator
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,6 +105,70 @@ class CompiledKernel:
 
 def kernel_from_json(program_json: str, bindings: Any) -> CompiledKernel:
     return CompiledKernel(program_json, [(n, r, tuple(s), o, k) for n, r, s, o, k in bindings])
+
+
+#: names the generated code of a degraded node may use (compiler/eager_nodes.py)
+_EAGER_GLOBALS = {
+    "torch": torch,
+    "device": torch.device,
+    "inf": math.inf,
+    "nan": math.nan,
+    "operator": operator,
+    "NoneType": type(None),
+}
+
+
+class SpyreCompileWarning(UserWarning):
+    """Part of a compiled graph runs as eager kernels (or on the host) on spyre."""
+
+
+#: degrade reasons already warned about in this process (once per reason)
+_warned: set[str] = set()
+
+
+def note_degraded(steps: list[tuple[str, str, str]]) -> None:
+    """Called by a compiled graph's module when it loads (fresh from the
+    compiler or from Inductor's cache) with the degrade steps its compile took
+    (``compiler/degrade.py``: kind, what, reason): warns once per reason under
+    ``compile_fallback=warn`` and refuses the graph under ``error``, so a
+    cached graph reports what a fresh compile would."""
+    policy = settings.get().compile_fallback
+    for kind, what, reason in steps:
+        if kind == "split":
+            continue
+        message = f"spyre compiler: {what}: {reason}"
+        if policy == "error":
+            raise RuntimeError(
+                message + " (TORCH_SPYRE_COMPILE_FALLBACK=error: degrading is off; this "
+                "graph came from a compile that degraded: set it to 'warn', or clear "
+                "Inductor's cache and compile again to see the error at its source)"
+            )
+        key = f"{kind}:{reason[:120]}"
+        if policy == "warn" and key not in _warned:
+            _warned.add(key)
+            warnings.warn(message, SpyreCompileWarning, stacklevel=2)
+
+
+def eager_function(src: str) -> Callable[..., torch.Tensor]:
+    """The function the compiler wrote for a node it could not plan: the FX
+    nodes the node came from, as FX's own generated code (``forward``)."""
+    env = dict(_EAGER_GLOBALS)
+    exec(compile(src, "<spyre degraded node>", "exec"), env)
+    return functools.partial(env["forward"], None)
+
+
+def run_eager(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *inputs) -> None:
+    """Compute node ``name`` of a compiled graph with eager ops (on the card
+    where the eager library has a kernel, else the counted host fallback) and
+    store it into the buffer Inductor allocated for it."""
+    dispatch_stats.record("degraded", name)
+    result = fn(*inputs)
+    if tuple(result.shape) != tuple(out.shape):
+        raise RuntimeError(
+            f"spyre compiled graph: node {name} computed eagerly has shape "
+            f"{tuple(result.shape)}, its buffer {tuple(out.shape)} (a compiler bug)"
+        )
+    out.copy_(result)
 
 
 def out_via_eager(op, out: torch.Tensor, *args, **kwargs) -> None:

@@ -2,7 +2,9 @@
 
 Producers record one event per op call; the coverage tool and the profiler
 read the counts.  Paths: "kernel" (a kernel program on the card), "adapter"
-(rewritten into supported ops), "fallback" (ran on the host).  Calls served
+(rewritten into supported ops), "fallback" (ran on the host), and "degraded"
+(a node of a compiled graph the compiler could not plan, run as eager ops:
+compiler/degrade.py; its ops are counted under their own paths too).  Calls served
 by the C++ warm launch path (csrc/warm.cpp) are counted there, under the
 name the Python path records for them, and folded in here on every read.
 """
@@ -13,7 +15,7 @@ from collections import Counter
 
 from torch_spyre import _C
 
-PATHS = ("kernel", "adapter", "fallback")
+PATHS = ("kernel", "adapter", "fallback", "degraded")
 _counts: Counter[tuple[str, str]] = Counter()
 
 

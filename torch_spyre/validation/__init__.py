@@ -66,6 +66,11 @@ class Report:
     modelled_device_s: float = 0.0
     #: the spyre side ran through torch.compile (else eager, op by op)
     compiled: bool = False
+    #: the compiler's degrade steps while compiling (compiler/degrade.py:
+    #: groups split, nodes and matmuls run as eager kernels in the graph) and
+    #: the runs of such nodes
+    compile_degraded: dict[str, int] = field(default_factory=dict)
+    degraded_runs: dict[str, int] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -94,6 +99,14 @@ class Report:
             lines.append(f"  {k:<24}  {_fmt(v):<14}  {'' if thr is None else _fmt(thr)}")
         fb = sum(self.fallback_counts.values())
         lines.append(f"  host fallbacks: {fb} calls {dict(self.fallback_counts) if fb else ''}")
+        if self.compiled:
+            d = self.compile_degraded
+            runs = sum(self.degraded_runs.values())
+            lines.append(
+                f"  compiler degrade: {d.get('split', 0)} groups split, {d.get('eager', 0)} nodes "
+                f"and {d.get('eager_extern', 0)} matmuls as eager kernels in the graph "
+                f"({runs} runs)"
+            )
         lines.append(
             f"  wall {self.wall_s:.1f} s, modelled device time {self.modelled_device_s * 1e3:.1f} ms"
         )
@@ -288,7 +301,12 @@ def validate_models(
 
     dtype = str(next(dev.parameters()).dtype).removeprefix("torch.")
     thr = thresholds or thresholds_for(name, kind, dtype)
+    from torch_spyre.compiler import degrade
+    from torch_spyre.runtime import dispatch_stats
+
     torch_spyre.reset_fallback_counts()
+    degrade_before = degrade.counts()
+    dispatch_stats.reset("degraded")
     t_model = torch.spyre.modelled_time_s()
     wall = time.perf_counter()
     if kind == "embedding":
@@ -310,6 +328,8 @@ def validate_models(
         wall_s=time.perf_counter() - wall,
         modelled_device_s=torch.spyre.modelled_time_s() - t_model,
         compiled=bool(getattr(dev, "spyre_compiled", False)),
+        compile_degraded={k: n - degrade_before[k] for k, n in degrade.counts().items()},
+        degraded_runs=dict(dispatch_stats.counts("degraded")),
     )
 
 

@@ -1,0 +1,117 @@
+"""A scheduler node the planner cannot express runs as eager device kernels.
+
+Inductor lowered the post-grad FX graph into loop IR; a buffer whose loops no
+kernel program can express (``degrade.py`` decides) is computed instead by the
+FX nodes it came from, run op by op on the card through the eager library
+inside the compiled graph.  This module finds those FX nodes: from the
+buffer's origin node back through every input that is not a tensor the
+wrapper already holds (a graph input, a constant, or a buffer this node reads
+that an earlier kernel stored), and writes them as one Python function into
+the wrapper module, FX's own code generation.  The wrapper calls it through
+``runtime.compiled.run_eager`` and stores the result into the buffer Inductor
+allocated.
+
+The eager ops then run as eager ops do: on the card when the eager library
+has a kernel, else through the counted host fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+
+import torch
+from torch._inductor import ir
+from torch._inductor.virtualized import V
+
+from torch_spyre.kernels.search import Unsupported
+
+#: names FX's generated code may use, and the runtime gives it
+GLOBALS = ("torch", "device", "inf", "nan", "operator", "NoneType")
+
+
+def origin_node(buf) -> torch.fx.Node | None:
+    """The FX node whose value is ``buf`` (Inductor's best-effort tracking)."""
+    node = getattr(buf, "origin_node", None)
+    if node is None and isinstance(buf, ir.ComputedBuffer):
+        node = getattr(buf.data, "origin_node", None)
+    return node
+
+
+def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
+    """FX node -> the wrapper variable of a tensor already computed: graph
+    inputs and constants, and the buffers this node reads (stored before it)."""
+    out: dict[torch.fx.Node, str] = {}
+    graph = V.graph
+    for n in graph.module.graph.nodes:
+        if n.op == "placeholder" and n.target in graph.graph_inputs:
+            out[n] = n.target
+        elif n.op == "get_attr" and n.target in graph.constants:
+            out[n] = n.target
+    removed = graph.removed_buffers
+    for buf in graph.buffers:
+        name = buf.get_name()
+        node = origin_node(buf)
+        if node is not None and name in reads and name not in removed:
+            out.setdefault(node, name)
+    return out
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def function_source(snode) -> tuple[str, str, list[str]]:
+    """(name, Python source of a function computing ``snode``'s buffer with
+    eager ops, the wrapper variables to call it with).  Unsupported when the
+    buffer's FX nodes cannot be found or re-run (a mutation, an input the
+    wrapper does not hold)."""
+    buf = snode.node
+    name = buf.get_name()
+    root = origin_node(buf)
+    if root is None or root.op != "call_function":
+        raise Unsupported(f"spyre compiler: {name} has no FX node to run eagerly")
+    reads = {d.name for d in snode.read_writes.reads}
+    held = _realized(reads)
+    order: list[torch.fx.Node] = []
+    inputs: list[torch.fx.Node] = []
+    seen: set[torch.fx.Node] = set()
+
+    def visit(n: torch.fx.Node) -> None:
+        if n in seen:
+            return
+        seen.add(n)
+        if n is not root and n in held:
+            inputs.append(n)
+            return
+        if n.op != "call_function":
+            raise Unsupported(
+                f"spyre compiler: {name} needs {n.name} ({n.op}), which the wrapper does not hold"
+            )
+        if _mutates(n):
+            raise Unsupported(f"spyre compiler: {name} comes from a mutation ({n.target})")
+        for a in n.all_input_nodes:
+            visit(a)
+        order.append(n)
+
+    visit(root)
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, n in enumerate(inputs):
+        env[n] = g.placeholder(f"in{i}")
+    for n in order:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[root])
+    code = g.python_code("self")
+    unknown = set(code.globals) - set(GLOBALS) - {"torch", "fx_pytree", "pytree"}
+    if unknown:
+        raise Unsupported(
+            f"spyre compiler: {name}'s eager code needs {sorted(unknown)}, which the runtime "
+            "does not provide"
+        )
+    digest = hashlib.sha256(code.src.encode()).hexdigest()[:12]
+    return f"_spyre_eager_{digest}", code.src, [held[n] for n in inputs]
+
+
+__all__ = ["GLOBALS", "function_source", "operator", "origin_node"]
