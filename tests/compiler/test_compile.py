@@ -279,24 +279,43 @@ def test_mlp_plan_is_one_pe_array_program_with_its_epilogue():
 
 
 def test_unplannable_op_degrades_with_a_message_naming_it(spyre_settings):
-    # a cat of computed pieces wider than the lane-scatter rewrite takes
-    # (passes._MAX_CAT) and not whole sticks (650 lanes: no stick DMA cat):
-    # masked loads, no plan: the node runs as eager kernels (degrade.py), with
-    # a warning naming the op; compile_fallback=error refuses it
+    # an op the vector unit has no program step for (atan) fused into a
+    # pointwise group: the node runs as eager kernels (degrade.py), with a
+    # warning naming the op; compile_fallback=error refuses it
     from torch_spyre.compiler.degrade import SpyreCompileWarning
 
-    def shuffle(x):
-        return torch.cat((x[..., 650:] * 2, x[..., :650].exp()), -1)
+    def f(x):
+        return torch.atan(x * 2) + 1
 
-    x = torch.randn(4, 1300, dtype=H)
+    x = torch.randn(5, 70, dtype=H)
     torch._dynamo.reset()
-    with pytest.warns(SpyreCompileWarning, match="cat.*op 'masked'|op 'masked'"):
-        got = torch.compile(shuffle, fullgraph=True, dynamic=False)(x.to("spyre"))
-    torch.testing.assert_close(got.cpu().float(), shuffle(x.float()), **tolerances(H))
+    with pytest.warns(SpyreCompileWarning, match="runs as eager kernels: op 'atan'"):
+        got = torch.compile(f, fullgraph=True, dynamic=False)(x.to("spyre"))
+    torch.testing.assert_close(got.cpu().float(), f(x.float()), **tolerances(H))
     torch._dynamo.reset()
     spyre_settings(compile_fallback="error")
-    with pytest.raises(Exception, match="runs as eager kernels: op 'masked'"):
-        torch.compile(shuffle, fullgraph=True, dynamic=False)(x.to("spyre"))
+    with pytest.raises(Exception, match="runs as eager kernels: op 'atan'"):
+        torch.compile(f, fullgraph=True, dynamic=False)(x.to("spyre"))
+
+
+def test_cat_along_an_outer_dim_is_a_dma_program(spyre_settings):
+    # a KV cache grown by a token (FMS's torch.cat((cache, k), dim=2)) and an
+    # attention-sink column after a wide row (gpt-oss): the device's cat
+    # (passes.py), no degrade step
+    spyre_settings(compile_fallback="error")
+
+    def grow(cache, k, logits, sink):
+        return torch.cat((cache, k * 2), dim=2), torch.cat([logits, sink], dim=-1).softmax(-1)
+
+    g = torch.Generator().manual_seed(3)
+    args = [
+        torch.randn(s, generator=g, dtype=H)
+        for s in ((1, 2, 9, 64), (1, 2, 1, 64), (1, 2, 3, 1100), (1, 2, 3, 1))
+    ]
+    torch._dynamo.reset()
+    got = torch.compile(grow, fullgraph=True, dynamic=False)(*[a.to("spyre") for a in args])
+    for o, w in zip(got, grow(*[a.float() for a in args])):
+        torch.testing.assert_close(o.cpu().float(), w, **tolerances(H))
 
 
 def test_cat_of_computed_pieces_along_the_stick_dim_is_a_lane_scatter():

@@ -132,7 +132,7 @@ def _chunked_head(x, w1, w2):
 
 def test_cat_of_whole_sticks_is_a_stick_move_not_a_lane_placement():
     """Pieces whole sticks wide (16000 fp16 columns each: 250 sticks) are joined
-    by the device's DMA cat (spyre::cat_sticks): the lane placement of narrow
+    by the device's DMA cat (spyre::cat): the lane placement of narrow
     cats would need a [16000, 32000] table per piece, and without either
     Inductor's masked cat does not plan."""
     g = torch.Generator().manual_seed(3)

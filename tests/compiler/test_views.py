@@ -97,3 +97,35 @@ def test_padding_mask_indexed_by_aranges() -> None:
     m[0, :3] = 0
     m[1, :1] = 0
     assert_close(_compiled(f, x, m).cpu(), f(x, m))
+
+
+def test_a_matmul_with_k_one_is_a_planned_outer_product(spyre_settings) -> None:
+    # a rank-1 product (Mamba-2's dt x B): a broadcast product on the vector
+    # unit inside the matmul's program, no degrade step; fp32 is exact here
+    spyre_settings(compile_fallback="error")
+
+    def f(a, w, bias):
+        return torch.addmm(bias, a, w) * 2, torch.bmm(
+            a[None].expand(3, -1, -1), (w[None] + 1).expand(3, -1, -1)
+        )
+
+    args = [torch.randn(40, 1), torch.randn(1, 70), torch.randn(70)]
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, dynamic=False)(*[a.to("spyre") for a in args])
+    for g, want in zip(got, f(*args)):
+        torch.testing.assert_close(g.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_matmul_over_a_flat_view_reads_the_buffer_in_its_dims(spyre_settings) -> None:
+    # the A operand is a [4, 128] view of a [4, 2, 64] buffer read with one
+    # variable across its last two dims: split at the dims, no degrade step
+    spyre_settings(compile_fallback="error")
+
+    def f(x, w):
+        h = (x * 2).permute(1, 0, 2).contiguous()  # [4, 2, 64]
+        return h.view(4, 128) @ w
+
+    args = [torch.randn(2, 4, 64), torch.randn(128, 32)]
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, dynamic=False)(*[a.to("spyre") for a in args])
+    torch.testing.assert_close(got.cpu(), f(*args), rtol=1e-5, atol=1e-5)

@@ -312,9 +312,8 @@ class ProgramBuilder:
         over fewer than 8 elements into such reads).  A DMA moves whole
         sticks and cannot shift lanes, so the stick is loaded and the lane
         picked on the vector unit: a mask from the lane index, then a
-        reduction over the stick with exactly one term kept (exact)."""
-        if not (dtype.is_floating_point or dtype == torch.bool):
-            raise Unsupported(f"element {offs[-1]} of the stick dim of {name} ({dtype})")
+        reduction over the stick with exactly one term kept (exact; integers
+        within the card's exact range, which the card checks)."""
         c0 = offs[-1] - offs[-1] % se
         key = ("lane", name, tuple(tuple(f) for f in factors), tuple(offs[:-1]), c0)
         lane = self.lane_vars.get(key)
@@ -450,8 +449,17 @@ class ProgramBuilder:
         if isinstance(value, tuple):
             raise Unsupported(f"reduction {reduction_type} of several values")
         value = self._materialise(value)
-        if reduction_type in ("sum", "max", "min"):
+        if reduction_type in ("sum", "max", "min", "prod"):
             return self._reduce(reduction_type, value, rvars, _lx_dtype(dtype))
+        if reduction_type in ("argmax", "argmin") and len(rvars) == 1:
+            # the first position of the extreme: the max (min), then the least
+            # index where the row equals it (two associative passes, so a row
+            # split over cores or tiles stays exact)
+            m = self._reduce(reduction_type[3:], value, rvars, torch.float32)
+            hit = self._vec("eq", [value, m], (), torch.bool)
+            n = Scal(float(self.ranges[rvars[0]]), torch.float32)
+            first = self._vec("where", [hit, self._iota(rvars[0]), self._materialise(n)])
+            return self._reduce("min", first, rvars, _lx_dtype(dtype))
         if reduction_type == "any":
             return self._reduce("any", value, rvars, torch.bool)
         if reduction_type == "welford_reduce":

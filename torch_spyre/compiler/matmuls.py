@@ -17,6 +17,7 @@ import torch
 from torch_spyre.compiler import graph_state, lowering
 from torch_spyre.compiler.nodes import _buffer_info, _static
 from torch_spyre.compiler.values import Scal
+from torch_spyre.compiler.views import dim_pieces
 
 MATMULS = (
     "extern_kernels.mm",
@@ -38,12 +39,15 @@ def _mixed_radix(pairs) -> sympy.Expr:
 def _groups(inp, vsz) -> list[list[int]]:
     """Per dim of a matmul input view, the dims of the buffer under it that it
     covers (a reshape of a whole contiguous buffer is read in its own shape, so
-    nothing is re-laid); a plain view covers one dim each."""
-    plain = [[s] for s in vsz]
+    nothing is re-laid); a plain view covers one dim each, except a dim that
+    runs across buffer dims (a flat view of a contiguous stretch), read in the
+    buffer's pieces (``views.dim_pieces``)."""
     usz, ustr, uoff, _ = _buffer_info(inp.get_name())
     lay = inp.get_layout()
+    vst = _static(lay.stride, inp.get_name())
+    plain = [dim_pieces(st, s, usz, ustr) or [s] for s, st in zip(vsz, vst)]
     if (
-        _static(lay.stride, inp.get_name()) != _contiguous(vsz)
+        vst != _contiguous(vsz)
         or _static([lay.offset], inp.get_name()) != [0]
         or list(ustr) != _contiguous(usz)
         or uoff
@@ -149,8 +153,6 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
         m, k, n = (_dim_expr(b, f) for f in (ag[0], roles[0], wg[1]))
         av, wv, outv = [m, k], [k, n], [m, n]
     kvars = sorted(v.name for v in sympy.sympify(k).free_symbols)
-    if not kvars:
-        raise lowering.Unsupported("a matmul with k = 1")
     aval = b.load(*_view_index(b, a, av), share=False)
     prologue = prologues().get(w.get_name())
     if prologue is not None:
@@ -168,7 +170,9 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
                 factors[(wsize, list(under).index(st))] = f
         run_nodes(b, prologue.nodes, factors)
     wval = b.load(*_view_index(b, w, wv), share=False)
-    acc = b.matmul(aval, wval, kvars)
+    # k = 1 (an outer product: Mamba-2's dt x B, a rank-1 update) is a
+    # broadcast product on the vector unit, not a PE-array contraction
+    acc = b.matmul(aval, wval, kvars) if kvars else b.mul(aval, wval)
     alpha = float(node.kwargs.get("alpha", 1))
     beta = float(node.kwargs.get("beta", 1))
     if alpha != 1.0:

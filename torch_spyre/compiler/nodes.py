@@ -10,6 +10,7 @@ and by the extern matmuls (``compiler/matmuls.py``).
 from __future__ import annotations
 
 import logging
+import math
 
 import sympy
 from torch._inductor import ir
@@ -18,6 +19,7 @@ from torch._inductor.virtualized import V
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from torch_spyre.compiler import lowering
+from torch_spyre.compiler.views import dim_pieces
 
 log = logging.getLogger("torch_spyre.compiler")
 
@@ -77,16 +79,21 @@ class _IndexScan:
 
     def __init__(self) -> None:
         self.indexes: list = []
+        #: (buffer, index) of every load and store
+        self.accesses: list = []
 
     def load(self, name, index):
         self.indexes.append(index)
+        self.accesses.append((name, index))
         return _Opaque()
 
     def store(self, name, index, value, mode=None):
         self.indexes.append(index)
+        self.accesses.append((name, index))
 
     def store_reduction(self, name, index, value):
         self.indexes.append(index)
+        self.accesses.append((name, index))
 
     def index_expr(self, expr, dtype):
         self.indexes.append(expr)
@@ -101,10 +108,16 @@ class _IndexScan:
         return lambda *a, **k: _Opaque()
 
 
-def _find_splits(node, pw, red) -> dict[int, int]:
-    """Iteration variables a node's indexes divide (``v // d``, ``v % d``: a
-    reshape or a repeat_interleave): position -> d, so the variable becomes two
-    (v = d * hi + lo) and every index stays affine."""
+def _find_splits(node, pw, red) -> dict[int, int | list[int]]:
+    """Iteration variables a node's indexes divide, so that every index stays
+    affine and reads each buffer dim with its own variables: position -> ``d``
+    (the variable becomes two, ``v = d * hi + lo``) or a list of factor sizes
+    (outer to inner, a mixed-radix sum).
+
+    Two kinds: a division in the index (``v // d``, ``v % d``: a reshape or a
+    repeat_interleave), and a variable whose range runs across a buffer's dims
+    (a flat copy ``buf[x0]`` of a contiguous ``[16, 128]`` buffer, Inductor's
+    ``clone_preserve_strides``: ``x0`` becomes ``128 * hi + lo``)."""
     sizes = list(pw) + list(red)
     syms = [sympy.Symbol(f"q{i}", integer=True, nonnegative=True) for i in range(len(sizes))]
     scan = _IndexScan()
@@ -130,7 +143,40 @@ def _find_splits(node, pw, red) -> dict[int, int]:
                 d = int(atom.args[2])
             if 1 < d < sizes[i] and sizes[i] % d == 0:
                 found.setdefault(i, set()).add(d)
-    return {i: ds.pop() for i, ds in found.items() if len(ds) == 1}
+    for name, e in scan.accesses:
+        for i, d in _crossings(name, e, syms, sizes):
+            found.setdefault(i, set()).add(d)
+    out: dict[int, int | list[int]] = {}
+    for i, ds in found.items():
+        chain = sorted(ds)
+        if any(b % a for a, b in zip(chain, chain[1:])):
+            continue  # splits that do not nest: left as they are (the planner says why)
+        if len(chain) == 1:
+            out[i] = chain[0]
+        else:
+            bounds = [*chain, sizes[i]]
+            out[i] = [sizes[i] // chain[-1]] + [b // a for a, b in zip(chain, bounds[1:-1])][::-1]
+    return out
+
+
+def _crossings(name: str, index, syms, sizes) -> list[tuple[int, int]]:
+    """(variable position, inner range) for each split a variable of an affine
+    ``index`` of buffer ``name`` needs to read the buffer one dim per piece
+    (``views.dim_pieces``)."""
+    try:
+        bsize, bstride, _, _ = _buffer_info(_storage_name(name))
+    except Exception:  # not a buffer with a fixed layout: nothing to say
+        return []
+    e = sympy.expand(sympy.sympify(index))
+    out = []
+    for i, s in enumerate(syms):
+        c = e.coeff(s)
+        if not c.is_Integer or int(c) <= 0:
+            continue
+        pieces = dim_pieces(int(c), sizes[i], bsize, bstride)
+        for k in range(1, len(pieces or ())):
+            out.append((i, math.prod(pieces[k:])))
+    return out
 
 
 def _node_vars(b: lowering.ProgramBuilder, prefix: str, sizes, splits, first: int) -> list:

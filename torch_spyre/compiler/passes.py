@@ -44,7 +44,6 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
-from torch_spyre.layout import stick_elems
 
 
 @torch.library.custom_op("spyre::embedding", mutates_args=())
@@ -77,17 +76,20 @@ def _(x, dim, index):
     return x.new_empty(index.shape)
 
 
-@torch.library.custom_op("spyre::cat_sticks", mutates_args=())
-def cat_sticks(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(pieces, -1)`` of pieces that are whole sticks wide, by the
-    device's eager kernel (a DMA program: each piece's sticks move to their
-    offset, no lane shifts), e.g. the logits of a chunked LM head."""
-    return torch.cat(pieces, -1)
+@torch.library.custom_op("spyre::cat", mutates_args=())
+def cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(pieces, dim)`` by the device's eager kernel (a DMA program):
+    along an outer dim (a KV cache grown by a token) or of pieces whole sticks
+    wide along the stick dim (the logits of a chunked LM head) each piece's
+    sticks move to their offset, no lane shifts; a piece not whole sticks
+    wide along a wide stick dim (gpt-oss's attention sinks) is shifted into
+    its lanes by that kernel."""
+    return torch.cat(pieces, dim)
 
 
-@cat_sticks.register_fake
-def _(pieces):
-    return torch.cat([torch.empty_like(p) for p in pieces], -1)
+@cat.register_fake
+def _(pieces, dim):
+    return torch.cat([torch.empty_like(p) for p in pieces], dim)
 
 
 @torch.library.custom_op("spyre::roll", mutates_args=())
@@ -389,25 +391,28 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
         val = node.meta.get("val")
         if node.target is aten.cat.default:
             dim = node.args[1] if len(node.args) > 1 else 0
-            if not _last_dim(node, dim, any_width=True):
+            pieces = [p for p in node.args[0] if p.meta["val"].numel() > 0]
+            if not _on_spyre(node) or len(pieces) < 2 or val.dim() == 0:
                 continue
-            pieces = [p for p in node.args[0] if p.meta["val"].shape[-1] > 0]
-            if len(pieces) < 2 or any(p.meta["val"].dtype != val.dtype for p in pieces):
+            if any(p.meta["val"].dtype != val.dtype for p in pieces):
                 continue
-            if any(p.meta["val"].shape[:-1] != val.shape[:-1] for p in pieces):
-                continue
-            if val.shape[-1] > _MAX_CAT:
-                if any(p.meta["val"].shape[-1] % stick_elems(val.dtype) for p in pieces):
-                    continue
-                # too wide for lane placement (its tables would be [d_i, d]:
-                # 1 GB for a 32000-row LM head), but whole sticks: a stick DMA
-                # places each piece (narrower cats stay fused lane placements)
+            dim = dim % val.dim()
+            last = dim == val.dim() - 1
+            narrow = last and val.dtype.is_floating_point and val.shape[-1] <= _MAX_CAT
+            if not narrow:
+                # along an outer dim (Inductor writes it as masked loads of
+                # shifted rows, which no program expresses): whole sticks moved
+                # by a DMA program; too wide for lane placement (its tables
+                # would be [d_i, d]: 1 GB for a 32000-row LM head): the
+                # device's cat (narrower cats stay fused lane placements)
                 with gm.graph.inserting_before(node):
-                    new = gm.graph.call_function(torch.ops.spyre.cat_sticks.default, (pieces,))
+                    new = gm.graph.call_function(torch.ops.spyre.cat.default, (pieces, dim))
                 new.meta.update(node.meta)
                 node.replace_all_uses_with(new)
                 gm.graph.erase_node(node)
                 changed = True
+                continue
+            if any(p.meta["val"].shape[:-1] != val.shape[:-1] for p in pieces):
                 continue
             fake_mode = detect_fake_mode([val])
             with gm.graph.inserting_before(node):

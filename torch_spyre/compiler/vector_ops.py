@@ -26,6 +26,9 @@ _UNARY = {
     "isnan": "isnan",
     "square": "square",
     "silu": "silu",
+    "floor": "floor",
+    "ceil": "ceil",
+    "trunc": "trunc",
 }
 _BINARY = {
     "add": "add",
@@ -47,6 +50,8 @@ _BINARY = {
     "mod": "fmod",  # Inductor's ops.mod: C semantics (the sign of the dividend)
     "fmod": "fmod",
     "remainder": "remainder",
+    "floordiv": "floordiv",
+    "truncdiv": "truncdiv",
 }
 _PY_BINARY = {
     "add": lambda a, b: a + b,
@@ -57,4 +62,5 @@ _PY_BINARY = {
     "maximum": max,
     "minimum": min,
     "pow": lambda a, b: a**b,
+    "floordiv": lambda a, b: a // b,
 }

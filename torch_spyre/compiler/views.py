@@ -82,6 +82,39 @@ def _decompose(index, sizes, strides, offset, ranges: dict[str, int], what: str)
     return out, offsets
 
 
+def dim_pieces(coeff: int, rng: int, bsize, bstride) -> list[int] | None:
+    """How an index variable with ``coeff`` and range ``rng`` must be split to
+    read a buffer of ``bsize``/``bstride`` one dim per piece: factor sizes,
+    outer to inner, when it runs past the end of the buffer dim it starts in
+    into the next outer dims of a contiguous stretch (a flat read of a
+    ``[16, 128]`` buffer: ``[16, 128]``); None when it needs no split or no
+    split serves."""
+    dims = [j for j, (sz, st) in enumerate(zip(bsize, bstride)) if sz > 1 and st > 0]
+    hit = next(
+        (
+            j
+            for j in dims
+            if coeff % bstride[j] == 0 and bstride[j] <= coeff < bstride[j] * bsize[j]
+        ),
+        None,
+    )
+    if hit is None or rng <= 1:
+        return None
+    step = coeff // bstride[hit]
+    if bsize[hit] % step:
+        return None
+    inner, j, pieces = bsize[hit] // step, hit, []
+    while rng > inner:
+        outer = [k for k in dims if bstride[k] == bstride[j] * bsize[j]]
+        if rng % inner or not outer:
+            return None
+        pieces.append(inner)
+        rng //= inner
+        j = outer[0]
+        inner = bsize[j]
+    return [rng, *pieces[::-1]] if pieces else None
+
+
 def ghost(n: int) -> str:
     """A piece of a buffer dim that a load skips over (read at one position)."""
     return f"~{n}"

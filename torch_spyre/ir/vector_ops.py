@@ -155,10 +155,19 @@ for _name, _fn, _cls, _n in [
     ("isnan", torch.isnan, _S, 1),
     # the first input repeated along the dims of the second (which only gives shape)
     ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], _S, 2),
+    # rounding (Llama-4 / Ministral attention temperature: floor(pos / n))
+    ("floor", torch.floor, _S, 1),
+    ("ceil", torch.ceil, _S, 1),
+    ("trunc", torch.trunc, _S, 1),
+    # integer division (inputs within the exact range, sim/executor.check_ints):
+    # an fp32 division, rounded, and one multiply-subtract fix-up
+    ("floordiv", torch.floor_divide, _T, 2),
+    ("truncdiv", lambda a, b: torch.div(a, b, rounding_mode="trunc"), _T, 2),
 ]:
     register_op(_name, _fn, _cls, _n)
 
 register_reduction("any", lambda x, d: x.bool().any(d), 0.0)
+register_reduction("prod", lambda x, d: x.prod(d), 1.0)
 # online softmax statistics of a streamed row (kernels/rewrites.py,
 # ``_online_softmax``): a running max m and sum s, rescaled by
 # exp(m_old - m_new) per tile; per input stick: max, subtract, exp, accumulate

@@ -52,6 +52,35 @@ Buffers = dict[str, torch.Tensor]
 Runner = Callable[[Buffers], None]
 
 
+#: integers the vector unit holds exactly: it computes in fp32 (a 24-bit
+#: significand; docs/hardware.md, "dtypes": no integer ALU beyond 8-bit PE data)
+EXACT_INT = 2**24
+
+
+class IntegerRangeError(RuntimeError):
+    """An integer operand of a vector op is beyond what the card computes exactly."""
+
+
+def check_ints(op: str, tensors) -> None:
+    """Raise ``IntegerRangeError`` when an integer (not bool) input of vector op
+    ``op`` holds a value of magnitude 2**24 or more: the card would compute it
+    in fp32 and round it (a silent wrong answer); the error says so instead."""
+    for t in tensors:
+        if (
+            isinstance(t, torch.Tensor)
+            and not t.is_floating_point()
+            and t.dtype != torch.bool
+            and t.numel()
+            and int(t.abs().max()) >= EXACT_INT
+        ):
+            raise IntegerRangeError(
+                f"spyre: {op!r} of {t.dtype} values up to {int(t.abs().max())}: "
+                f"the card computes integers in fp32, exact only below 2**24 "
+                f"({EXACT_INT:,}). Compute this on the CPU (tensor.cpu()) or keep the "
+                "integers smaller."
+            )
+
+
 def _rounder(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a value is rounded into an LX buffer of ``dtype``: to ``dtype``, or
     for 16-bit floats on a DL16 card to DL16 (held in fp32: torch has no DL16)."""
@@ -415,8 +444,15 @@ def _build_store(program: Program, s: Store, dims: dict) -> Callable:
 
         return store_block
 
+    # a value computed in fp32 stored into an integer operand: exact only in range
+    to_int = program.buffer(s.buffer).dtype.is_floating_point and not (
+        layout.dtype.is_floating_point or layout.dtype == torch.bool
+    )
+
     def store(buffers: Buffers, env: dict) -> None:
         mem = buffers[operand]
+        if to_int:
+            check_ints(f"store of {operand}", [env[buffer].to(torch.int64)])
         try:
             layout.store(mem, align(env[buffer]).reshape(host_size))
         finally:
@@ -434,13 +470,23 @@ def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
     to_out = _rounder(out_dtype)
     acc = _acc_dtype(out_dtype)
     cast = acc.is_floating_point  # comparisons etc. (bool/int out) keep their input types
+    #: an integer input computed into an fp32 result: checked against the
+    #: exact range (integer results of integer inputs are exact: min, bit ops)
+    ints = out_dtype.is_floating_point and any(
+        not program.buffer(x).dtype.is_floating_point and program.buffer(x).dtype != torch.bool
+        for x in s.inputs
+    )
     fill = None
     if not s.inputs and out_buf.dims:  # a fill: the whole output buffer
         fill = [program.dim(d).size for d in out_buf.dims]
     dims[out] = out_buf.dims
 
+    op_name = s.op
+
     def vector(buffers: Buffers, env: dict) -> None:
         args = [a(env[x]) for a, x in zip(aligns, inputs)]
+        if ints:
+            check_ints(op_name, args)
         if cast:
             args = [a.to(acc) if a.dtype != acc and a.is_floating_point() else a for a in args]
         res = fn(*args, *scalars)
@@ -545,14 +591,21 @@ def _build_reduce(program: Program, s: Reduce, dims: dict) -> Callable:
     inp, out, fn, to_out = s.input, s.out, rd.fn, _rounder(out_buf.dtype)
     dims[out] = out_dims
     f32 = torch.float32
+    int_out = not (out_buf.dtype.is_floating_point or out_buf.dtype == torch.bool)
+    name = f"{s.op} reduction"
 
     def reduce(buffers: Buffers, env: dict) -> None:
         t = env[inp]
+        held = int_out and t.is_floating_point()  # integers held in fp32
+        if held:
+            check_ints(name, [t.to(torch.int64)])
         if t.is_floating_point():
             t = t.to(f32)
         if split is not None:
             t = _split_axis(t, *split)
         res = align(fn(t, ax))
+        if held:
+            check_ints(name, [res.to(torch.int64)])
         env[out] = res if partial else to_out(res)
 
     return reduce
@@ -568,10 +621,15 @@ def _build_scan(program: Program, s: Scan, dims: dict) -> Callable:
     f32 = torch.float32
     dims[out] = out_dims
 
+    int_out = not (out_dtype.is_floating_point or out_dtype == torch.bool)
+
     def scan(buffers: Buffers, env: dict) -> None:
         args = [a(env[x]).to(f32) for a, x in zip(aligns, inputs)]
         if op == "cumsum":
-            env[out] = torch.cumsum(args[0].expand(shape), ax).to(out_dtype)
+            res = torch.cumsum(args[0].expand(shape), ax)
+            if int_out:
+                check_ints("cumsum", [res.to(torch.int64)])
+            env[out] = res.to(out_dtype)
             return
         a, u = args[0].expand(shape), args[1].expand(shape)
         prev = args[2].expand(shape).narrow(ax, 0, 1) if len(args) == 3 else None
@@ -676,6 +734,10 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
     )
     upcast = not direct and acc.is_floating_point
     out_fn = od.out_fn if direct else None
+    ints = out_dtype.is_floating_point and any(
+        not (dt := program.operand(o).layout.dtype).is_floating_point and dt != torch.bool
+        for o in operands
+    )
 
     if out_fn is not None:
         # computed straight into device memory: the op's own out= form, in the
@@ -683,8 +745,11 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
 
         def run_into(buffers: Buffers) -> None:
             out = buffers[out_name]
+            args = [buffers[o] for o in operands]
+            if ints:
+                check_ints(vec.op, args)
             try:
-                out_fn(*[buffers[o] for o in operands], *scalars, out=out)
+                out_fn(*args, *scalars, out=out)
             finally:
                 written(out)
 
@@ -694,6 +759,8 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
 
     def run(buffers: Buffers) -> None:
         args = [buffers[o] for o in operands]
+        if ints:
+            check_ints(vec.op, args)
         if upcast:
             args = [a.to(acc) if a.is_floating_point() else a for a in args]
         res = fn(*args, *scalars)

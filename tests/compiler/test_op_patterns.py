@@ -1,0 +1,81 @@
+"""Ops of production models (IBM's model-op suite, ../shared/clients) planned as
+kernel programs: rounding, integer division, products and max with indices,
+each compiled under ``compile_fallback=error`` (no degrade step), and the
+card's integer range (fp32: exact below 2**24) enforced, never rounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_spyre.sim.executor import IntegerRangeError
+
+
+@pytest.fixture(autouse=True)
+def _planned(spyre_settings):
+    spyre_settings(compile_fallback="error")
+    torch._dynamo.reset()
+
+
+def _compiled(fn, *args):
+    return torch.compile(fn, fullgraph=True, dynamic=False)(*[a.to("spyre") for a in args])
+
+
+def test_llama4_attention_temperature_floor_log():
+    # Ministral 3 / Llama 4: 1 + beta * log(1 + floor(pos / n))
+    def scale(pos):
+        return 1 + 0.1 * torch.log(1 + torch.floor(pos / 8.0)), pos.ceil() - pos.trunc()
+
+    pos = torch.arange(70, dtype=torch.float32)[None] * 0.75 - 3
+    for got, want in zip(_compiled(scale, pos), scale(pos)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_integer_floor_division_and_product():
+    # Mistral 3's image sizes: (sizes // patch).prod(-1)
+    def grid(sizes):
+        return (sizes // 14).prod(-1), sizes // torch.tensor([3, 7]).to(sizes.device)
+
+    sizes = torch.tensor([[1540, 896], [700, 1400], [13, 14]])
+    for got, want in zip(_compiled(grid, sizes), grid(sizes)):
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_max_with_indices_is_the_first_extreme(dtype):
+    # gpt-oss's logits.max(dim=-1, keepdim=True); ties pick the first index
+    def f(x):
+        v, i = x.max(dim=-1, keepdim=True)
+        return x - v, i, x.argmin(-1)
+
+    x = torch.randn(3, 5, 129).to(dtype)
+    x[0, 0, 7] = x[0, 0, 90] = 9.0  # a tie: index 7, as the CPU
+    for got, want in zip(_compiled(f, x), f(x)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_integers_beyond_the_exact_range_raise_not_round():
+    # the vector unit computes in fp32: an int64 sum past 2**24 would be
+    # rounded; the card says so instead
+    x = torch.full((4, 70), 2**20, dtype=torch.int64)
+    with pytest.raises(IntegerRangeError, match="exact only below 2\\*\\*24"):
+        _compiled(lambda t: (t * 3).sum(-1), x)
+
+
+@pytest.mark.parametrize("lo,hi", [(-100, 100), (2**29, 2**30), (-(2**62), 2**62)], ids=str)
+def test_eager_integer_division_is_exact(lo, hi):
+    # an fp32 quotient refined by its exact integer remainder (ops/adapters.py):
+    # a 2**30 dividend's fp32 quotient was off by up to 9 before
+    g = torch.Generator().manual_seed(lo & 0xFFFF)
+    a = torch.randint(lo, hi, (4, 70), generator=g)
+    b = torch.randint(1, 50, (4, 70), generator=g) * (torch.rand(4, 70, generator=g) < 0.5).mul(
+        2
+    ).sub(1)
+    ad, bd = a.to("spyre"), b.to("spyre")
+    assert torch.equal((ad // 7).cpu(), a // 7)
+    assert torch.equal((ad // bd).cpu(), a // b)
+    assert torch.equal(
+        torch.div(ad, bd, rounding_mode="trunc").cpu(), torch.div(a, b, rounding_mode="trunc")
+    )
+    assert torch.equal((ad % bd).cpu(), a % b)
