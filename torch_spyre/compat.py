@@ -53,6 +53,7 @@ class DataFormats(enum.Enum):
     IEEE_INT32 = "int32"
     IEEE_INT64 = "int64"  # IBM narrows int64 to IEEE_INT32; we store it exactly
     BOOL = "bool"  # one byte; IBM stores bool as SEN169_FP16
+    IEEE_COMPLEX64 = "complex64"  # ours: interleaved fp32 (re, im) pairs; IBM has none
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -48,8 +48,10 @@ fast_copy: Callable[[torch.Tensor, torch.Tensor], bool] | None = _card.stick_cop
 #: exactly (no narrowing): fp16 (the card's compute type), bf16 and fp32 (used
 #: by vector ops), the 8-bit floats of quantised weights and activations
 #: (fp8 e4m3 and e5m2, IBM's SEN143_FP8 / SEN152_FP8, 128 per stick), the
-#: integer types (int64 keeps its full range: 16 per stick) and bool (one
-#: byte each).  Kernels decide how they compute on them.
+#: integer types (int64 keeps its full range: 16 per stick), bool (one
+#: byte each) and complex64 (interleaved fp32 (real, imaginary) pairs: 16 per
+#: stick; ops on it are rewritten into fp32 ops on those pairs,
+#: ops/complex_ops.py).  Kernels decide how they compute on them.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
     torch.bfloat16,
@@ -62,6 +64,7 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.int32,
     torch.int64,
     torch.bool,
+    torch.complex64,
 )
 
 

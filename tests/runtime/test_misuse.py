@@ -35,7 +35,7 @@ CASES = {
         "negative",
     ),
     "float64": (lambda: torch.zeros(3, device="spyre", dtype=torch.float64), TypeError, "Double"),
-    "complex": (lambda: torch.ones(3, dtype=torch.complex64).to("spyre"), TypeError, "Complex"),
+    "complex128": (lambda: torch.ones(3, dtype=torch.complex128).to("spyre"), TypeError, "Complex"),
     "matmul shapes": (
         lambda: torch.ones(3, 4, device="spyre") @ torch.ones(5, 6, device="spyre"),
         RuntimeError,

@@ -95,6 +95,7 @@ void check_dtype(c10::ScalarType dtype) {
     case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kChar: case at::kByte:
     case at::kShort: case at::kInt: case at::kLong: case at::kBool:
     case at::kFloat8_e4m3fn: case at::kFloat8_e5m2:
+    case at::kComplexFloat:  // interleaved fp32 pairs: 16 per stick
       return;
     default:
       break;
@@ -102,7 +103,7 @@ void check_dtype(c10::ScalarType dtype) {
   C10_THROW_ERROR(TypeError, std::string("spyre does not store ") + c10::toString(dtype) +
                                  "; supported dtypes are float16, bfloat16, float32, "
                                  "float8_e4m3fn, float8_e5m2, int8, uint8, int16, int32, int64, "
-                                 "bool. Cast first, e.g. "
+                                 "bool, complex64. Cast first, e.g. "
                                  "tensor.to(torch.float32) or tensor.to(torch.float16).");
 }
 

@@ -13,6 +13,7 @@ def register() -> None:
     from torch_spyre.ops import (  # noqa: F401  (importing declares the kernels)
         adapters,
         attention,
+        complex_ops,
         conv,
         counting,
         dispatch,

@@ -297,6 +297,10 @@ def run(op, args: tuple, kwargs: dict) -> Any:
     for t in (*tensors, *((out_arg,) if out_arg is not None else ())):
         if t.dtype in FP8_DTYPES:
             raise errors.fp8_arithmetic(plan.name, t.dtype)
+        if t.is_complex():  # no complex arithmetic: real ops on the parts
+            from torch_spyre.ops import complex_ops
+
+            return complex_ops.run(op, call_args, call_kwargs)
     key = (
         "pw",
         func,

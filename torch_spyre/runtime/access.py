@@ -35,6 +35,7 @@ _DTYPES = {
     "Int": torch.int32,
     "Long": torch.int64,
     "Bool": torch.bool,
+    "ComplexFloat": torch.complex64,
 }
 
 # Below this fraction of its base, a view is gathered stick by stick instead

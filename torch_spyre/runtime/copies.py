@@ -27,12 +27,16 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
             f"destination of shape {list(self.shape)}"
         ) from None
     if _is_spyre(src):
-        values = access.read(src)
+        values = access.read(src)  # the bytes' values: a conjugate view's bit not applied
+        if src.is_conj():
+            values = values.conj_physical()
         if not _is_spyre(self) or self.device != src.device:
             cards.record_transfer(src.device.index, "d2h", access.device_nbytes(src))
     else:
         values = src.to("cpu")
     if _is_spyre(self):
+        if self.is_conj():  # the bytes of a conjugate view hold the conjugate
+            values = values.resolve_conj().conj_physical()
         access.write(self, values)
         if _is_spyre(src) and src.device == self.device:
             cards.record_transfer(self.device.index, "d2d", access.device_nbytes(self))
