@@ -30,12 +30,56 @@ from torch_spyre.kernels.search import Unsupported
 GLOBALS = ("torch", "device", "inf", "nan", "operator", "NoneType")
 
 
-def origin_node(buf) -> torch.fx.Node | None:
-    """The FX node whose value is ``buf`` (Inductor's best-effort tracking)."""
+def _tracked(buf) -> torch.fx.Node | None:
     node = getattr(buf, "origin_node", None)
     if node is None and isinstance(buf, ir.ComputedBuffer):
         node = getattr(buf.data, "origin_node", None)
     return node
+
+
+def origin_node(buf) -> torch.fx.Node | None:
+    """The FX node whose value is ``buf``: Inductor's best-effort tracking, else
+    the one node of the buffer's origins with the buffer's shape that no other
+    such origin consumes (a buffer Inductor lowered inside another op's
+    lowering, such as the value of a scatter, carries no origin node).  Origins
+    that are the value of another buffer are not candidates: Inductor lists
+    the consumer of a buffer among its origins too (an attention reading the
+    rotated query), and that node computes the other buffer, not this one."""
+    node = _tracked(buf)
+    if node is None:
+        try:
+            size = [str(s) for s in buf.get_size()]
+        except NotImplementedError:  # a buffer with no layout (a mutation's marker)
+            return None
+
+        def shaped(o: torch.fx.Node) -> bool:
+            val = o.meta.get("val")
+            return isinstance(val, torch.Tensor) and [str(s) for s in val.shape] == size
+
+        # a scatter's mutation of the buffer it writes is that op's value
+        mutation = isinstance(buf.get_output_spec(), ir.MutationLayoutSHOULDREMOVE)
+        others = set() if mutation else {_tracked(b) for b in V.graph.buffers if b is not buf}
+        origins = {
+            o
+            for o in getattr(buf, "origins", ())
+            if o.op == "call_function" and shaped(o) and o not in others
+        }
+        sinks = [o for o in origins if not any(u in origins for u in o.users)]
+        if len(sinks) == 1:
+            node = sinks[0]
+    return node
+
+
+def _mutated_args(node: torch.fx.Node) -> list[int]:
+    """Positions of the arguments a mutating op writes."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    return [
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write and i < len(node.args)
+    ]
 
 
 def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
@@ -49,11 +93,13 @@ def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
         elif n.op == "get_attr" and n.target in graph.constants:
             out[n] = n.target
     removed = graph.removed_buffers
+    # a buffer that is a scatter into another is held under that one's name
+    real = getattr(graph.scheduler, "mutation_real_name", {}) if graph.scheduler else {}
     for buf in graph.buffers:
         name = buf.get_name()
         node = origin_node(buf)
         if node is not None and name in reads and name not in removed:
-            out.setdefault(node, name)
+            out.setdefault(node, real.get(name, name))
     return out
 
 
@@ -89,7 +135,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             raise Unsupported(
                 f"spyre compiler: {name} needs {n.name} ({n.op}), which the wrapper does not hold"
             )
-        if _mutates(n):
+        if _mutates(n) and (n is not root or len(_mutated_args(n)) != 1):
             raise Unsupported(f"spyre compiler: {name} comes from a mutation ({n.target})")
         for a in n.all_input_nodes:
             visit(a)
@@ -100,9 +146,19 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, n in enumerate(inputs):
         env[n] = g.placeholder(f"in{i}")
+    result = None
     for n in order:
-        env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[root])
+        if n is root and _mutates(n):
+            # the buffer is the functional value of the mutation: the op writes
+            # a copy of its target (the graph's own tensor stays as it is)
+            (i,) = _mutated_args(n)
+            target = g.call_function(torch.ops.aten.clone.default, (env[n.args[i]],))
+            written = n.args[i]
+            env[n] = g.node_copy(n, lambda a, t=target, w=written: t if a is w else env[a])
+            result = target
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(env[root] if result is None else result)
     code = g.python_code("self")
     unknown = set(code.globals) - set(GLOBALS) - {"torch", "fx_pytree", "pytree"}
     if unknown:

@@ -293,7 +293,13 @@ class SpyreScheduling(BaseScheduling):
         if fname not in defined:
             defined.add(fname)
             wrapper.header.writeline(f"{fname} = spyre_rt.eager_function({src!r})")
-        call = ", ".join([fname, repr(name), name, *args])
+        out = name
+        layout = snode.node.get_output_spec()
+        if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+            # a scatter into another buffer: the wrapper holds only that one,
+            # and the function computes its whole new value
+            out = layout.get_buffer().get_name()
+        call = ", ".join([fname, repr(name), out, *args])
         wrapper.writeline(f"spyre_rt.run_eager({call})  # not planned: {eager.reason[:100]}")
 
     def _emit(self, plan: lowering.Plan) -> None:
@@ -433,6 +439,18 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
 
             return SubgraphPythonWrapperCodegen(subgraph_name, parent_wrapper, partition_signatures)
         return SpyreWrapperCodegen()
+
+    def codegen_free(self, buffer) -> None:
+        # A node the planner cannot express is recomputed from its FX nodes
+        # (compiler/eager_nodes.py), which may reach a graph input that
+        # Inductor's read sets had already used up and freed.  Graph inputs
+        # stay alive for the whole call (the caller holds most of them: the
+        # weights, the cache, the token ids); every other buffer is freed as
+        # Inductor plans.  Overriding this wrapper method is the public hook:
+        # the wrapper class is ours (register_backend_for_device).
+        if isinstance(buffer, ir.InputBuffer) and buffer.get_name() in V.graph.graph_inputs:
+            return
+        super().codegen_free(buffer)
 
     def generate_extern_kernel_out(self, node) -> None:
         if getattr(node, "python_kernel_name", None) in MATMULS:

@@ -1,0 +1,84 @@
+"""Compiled decode regressions.
+
+The two mixture-of-experts models reported to compile to wrong tokens
+(issue #26): an OLMoE-style router without top-k renormalisation (64 experts,
+top-8) and a Granite MoE with a shared expert, at the reported size (hidden
+256, 2 layers).  fp32 on the card, compiled, decoded through a static cache
+and compared step by step with the CPU (teacher forcing: each step sees the
+CPU's context, so a drifting decode graph shows at the step it drifts), with
+no degraded node and no host fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as t
+
+from torch_spyre import settings
+from torch_spyre.tools.archsweep import run
+
+_BASE = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
+
+CASES = {
+    "olmoe-no-renorm-64x8": lambda: t.OlmoeConfig(
+        **_BASE, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False
+    ),
+    "granitemoeshared": lambda: t.GraniteMoeSharedConfig(
+        **_BASE,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        shared_intermediate_size=512,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_compiled_decode_matches_the_cpu_in_fp32(name):
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(CASES[name](), dtype=torch.float32).eval()
+    ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(1))
+    ref = run.reference(model, ids)
+    assert ref.mode == "decode"
+    with settings.override(compile_fallback="error"):
+        torch._dynamo.reset()
+        res = run.run_path(model, ref, ids, compile=True)
+        torch._dynamo.reset()
+    assert res.verdict == "match", (res.error, res.max_diff, res.scale)
+    assert res.token_flips == 0
+    assert res.host_fallbacks == 0 and not res.degraded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["cohere", "helium"])
+def test_degraded_rotary_decodes_like_the_cpu(model_type):
+    """Interleaved rotary that the planner cannot express runs as eager kernels
+    inside the compiled graph (compiler/eager_nodes.py).  Found by the
+    architecture sweep: cohere's rotated key is the value of the KV-cache
+    write (a buffer with no origin node: its FX root had to be found among its
+    origins, and the write run on a copy), and helium's rotated query is read
+    by the attention that Inductor also lists among the buffer's origins (the
+    attention had been taken for the root: a silent wrong answer in decode)."""
+    from torch_spyre.tools.archsweep.configs import model_types
+
+    mt = {m.name: m for m in model_types()}[model_type]
+    model = run.build(mt)
+    ids = run._inputs(model)
+    ref = run.reference(model, ids)
+    torch._dynamo.reset()
+    res = run.run_path(model, ref, ids, compile=True)
+    torch._dynamo.reset()
+    assert res.verdict == "match" and res.max_diff < 1e-6, (res.error, res.max_diff)
+    assert res.degraded.get("eager", 0) > 0 and res.host_fallbacks == 0
