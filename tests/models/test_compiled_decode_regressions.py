@@ -62,7 +62,7 @@ def test_moe_compiled_decode_matches_the_cpu_in_fp32(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["cohere", "helium"])
+@pytest.mark.parametrize("model_type", ["cohere", "helium", "phimoe"])
 def test_degraded_rotary_decodes_like_the_cpu(model_type):
     """Interleaved rotary that the planner cannot express runs as eager kernels
     inside the compiled graph (compiler/eager_nodes.py).  Found by the
@@ -70,7 +70,13 @@ def test_degraded_rotary_decodes_like_the_cpu(model_type):
     write (a buffer with no origin node: its FX root had to be found among its
     origins, and the write run on a copy), and helium's rotated query is read
     by the attention that Inductor also lists among the buffer's origins (the
-    attention had been taken for the root: a silent wrong answer in decode)."""
+    attention had been taken for the root: a silent wrong answer in decode).
+    phimoe's router scatters -inf at the first expert's index and takes the
+    max again: the scatter is a buffer written into a copy of its input (held
+    under the copy's name, which holds the input until the scatter runs), and
+    the index is one output of ``max.dim`` (a tuple-valued FX node whose
+    buffer is one ``getitem`` of it; read as the tuple it indexed row 1 and
+    gave an expert index out of range)."""
     from torch_spyre.tools.archsweep.configs import model_types
 
     mt = {m.name: m for m in model_types()}[model_type]

@@ -135,3 +135,17 @@ def test_unsupported_output_dtype_is_a_clear_error():
     with pytest.raises(TypeError, match="does not store Double"):
         x.double()
     assert torch.equal(x.cpu(), x.cpu())
+
+
+def test_fallback_outputs_keep_the_cpu_kernels_strides():
+    """A host-fallback result keeps the strides of torch's CPU kernel, which
+    its meta kernel promised (a compiled graph asserts them: Qwen3-Next's
+    triangular solve in the architecture sweep)."""
+    torch.manual_seed(0)
+    a = torch.randn(2, 8, 8).triu() + 4 * torch.eye(8)
+    b = torch.randn(2, 8, 3)
+    ref = torch.linalg.solve_triangular(a, b, upper=True)
+    with fallback_policy("silent"):
+        got = torch.linalg.solve_triangular(a.to("spyre"), b.to("spyre"), upper=True)
+    assert got.stride() == ref.stride() and ref.stride() != b.stride()
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-6, atol=1e-6)

@@ -97,10 +97,44 @@ def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
     real = getattr(graph.scheduler, "mutation_real_name", {}) if graph.scheduler else {}
     for buf in graph.buffers:
         name = buf.get_name()
-        node = origin_node(buf)
-        if node is not None and name in reads and name not in removed:
+        if name not in reads or name in removed:
+            continue
+        node = _value_of(origin_node(buf), buf)
+        if node is not None:
             out.setdefault(node, real.get(name, name))
     return out
+
+
+def _matches(val, buf) -> bool:
+    try:
+        size = [str(s) for s in buf.get_size()]
+    except NotImplementedError:  # no layout of its own (a mutation's marker)
+        return False
+    return (
+        isinstance(val, torch.Tensor)
+        and [str(s) for s in val.shape] == size
+        and val.dtype == buf.get_dtype()
+    )
+
+
+def _value_of(node: torch.fx.Node | None, buf) -> torch.fx.Node | None:
+    """The FX node whose tensor ``buf`` holds: ``node`` itself, or for an op
+    with several outputs (``max.dim``: values and indices, each its own
+    buffer) the one ``getitem`` of it with the buffer's shape and dtype.  None
+    when that is not certain: the node is then recomputed, never misread."""
+    if node is None:
+        return None
+    val = node.meta.get("val")
+    if isinstance(val, list | tuple):
+        picks = [
+            u
+            for u in node.users
+            if u.op == "call_function"
+            and u.target is operator.getitem
+            and _matches(u.meta.get("val"), buf)
+        ]
+        return picks[0] if len(picks) == 1 else None
+    return node if _matches(val, buf) else None
 
 
 def _mutates(node: torch.fx.Node) -> bool:
@@ -120,6 +154,11 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         raise Unsupported(f"spyre compiler: {name} has no FX node to run eagerly")
     reads = {d.name for d in snode.read_writes.reads}
     held = _realized(reads)
+    layout = buf.get_output_spec()
+    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE) and root.args:
+        # a scatter writes into a copy of its input that Inductor made first:
+        # until it runs, that buffer holds the input
+        held[root.args[0]] = layout.get_buffer().get_name()
     order: list[torch.fx.Node] = []
     inputs: list[torch.fx.Node] = []
     seen: set[torch.fx.Node] = set()

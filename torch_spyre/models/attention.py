@@ -8,8 +8,12 @@ SDPA cannot express: logit **soft-capping** (Gemma-2: transformers then
 forces its eager attention, a matmul/tanh/softmax/matmul chain) and
 attention **sinks** (a learned per-head logit in the softmax, GPT-OSS).
 For those we register ``"spyre"`` in transformers' public
-``AttentionInterface`` (and its mask function, SDPA's, in
-``AttentionMaskInterface``): the layer's call goes to
+``AttentionInterface`` (and its mask function in ``AttentionMaskInterface``:
+the eager one, an additive float mask always built, because the models that
+need the variants support only eager attention and their code may extend
+the mask assuming that form: DeepSeek-V4 concatenates its compressed-KV
+block bias onto it, which SDPA's boolean or skipped mask turned into wrong
+attention): the layer's call goes to
 ``spyre::attention_ext``, the same flash program with the cap and the sink
 as steps of the online softmax (off the card the op computes them written
 out).  Anything else it is handed goes to transformers' own SDPA function.
@@ -68,7 +72,7 @@ def register() -> None:
     from transformers.masking_utils import (
         ALL_MASK_ATTENTION_FUNCTIONS,
         AttentionMaskInterface,
-        sdpa_mask,
+        eager_mask,
     )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -77,7 +81,7 @@ def register() -> None:
     if NAME not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(NAME, spyre_attention_forward)
     if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        AttentionMaskInterface.register(NAME, eager_mask)
 
 
 def needs_variants(model: nn.Module) -> list[str]:

@@ -18,6 +18,7 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_spyre import settings
@@ -247,7 +248,13 @@ def run_on_values(op, args, kwargs, pcie: bool):
                 return written[id(o)]
             if id(o) in originals:  # returned an input unchanged
                 return originals[id(o)]
-            res = torch.empty(o.shape, dtype=o.dtype, device=device)
+            # the CPU kernel's strides are the ones its meta kernel promised
+            # (a triangular solve returns column-major results): a compiled
+            # graph asserts them
+            if is_non_overlapping_and_dense_or_false(o):
+                res = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device)
+            else:
+                res = torch.empty(o.shape, dtype=o.dtype, device=device)
             access.write(res, o)
             if pcie:
                 cards.record_transfer(device.index, "h2d", access.device_nbytes(res), label)
