@@ -65,9 +65,23 @@ def origin_node(buf) -> torch.fx.Node | None:
             if o.op == "call_function" and shaped(o) and o not in others
         }
         sinks = [o for o in origins if not any(u in origins for u in o.users)]
-        if len(sinks) == 1:
-            node = sinks[0]
+        # several: the one downstream of all the others (their chains may
+        # pass through nodes that are other buffers' values)
+        last = [o for o in sinks if set(sinks) - {o} <= _ancestors(o)]
+        if len(last) == 1:
+            node = last[0]
     return node
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
 
 
 def _mutated_args(node: torch.fx.Node) -> list[int]:

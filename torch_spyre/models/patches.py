@@ -37,6 +37,12 @@ class TabulatedRotaryEmbedding(nn.Module):
         super().__init__()
         self.max_positions = max_positions
         self.layer_types = layer_types
+        # the stock module's plain attributes stay readable (its config, rope
+        # type, attention scaling: model code reads them, e.g. Granite-SWA's)
+        for k, v in vars(original).items():
+            if not k.startswith("_") and not hasattr(self, k):
+                if not isinstance(v, torch.Tensor | nn.Module):
+                    setattr(self, k, v)
         pos = torch.arange(max_positions).unsqueeze(0)
         x = torch.zeros(1, dtype=torch.float32)
         keys: list[str | None] = list(layer_types) if layer_types else [None]
