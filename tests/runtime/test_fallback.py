@@ -149,3 +149,26 @@ def test_fallback_outputs_keep_the_cpu_kernels_strides():
         got = torch.linalg.solve_triangular(a.to("spyre"), b.to("spyre"), upper=True)
     assert got.stride() == ref.stride() and ref.stride() != b.stride()
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_eager_kernels_after_a_graph_break_are_not_traced_by_dynamo():
+    """A compiled function that breaks its graph runs the rest eagerly with
+    Dynamo's frame hook installed; the spyre kernels it calls (Python frames
+    of the simulator) must not be compiled in turn (runtime.registration.entry:
+    the MPT config of the architecture sweep took over 15 minutes before)."""
+    from torch._dynamo.utils import counters
+
+    def f(x):
+        y = torch.softmax(x * 2, dim=-1)
+        s = y.amax().item()  # a graph break that reads a value (MPT's)
+        return (y.sum(-1) + x.amax(-1) * s).tanh()
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        got = torch.compile(f)(x.to("spyre"))
+    # the function and its resume after the break, nothing else
+    assert counters["frames"]["total"] <= 3, dict(counters["frames"])
+    torch.testing.assert_close(got.cpu(), f(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

@@ -27,11 +27,12 @@ def register() -> None:
         registry,
         ssm,
     )
+    from torch_spyre.runtime.registration import entry
 
     registry.register()  # the kernels the modules above declared
     attention.register()
     quantized.register()
 
     everything = torch.library.Library("_", "IMPL")
-    everything.fallback(dispatch.catch_all, "PrivateUse1")
+    everything.fallback(entry(dispatch.catch_all), "PrivateUse1")
     _libs.append(everything)

@@ -27,6 +27,7 @@ import math
 import torch
 
 from torch_spyre.runtime import cards, dispatch_stats, launch, operands
+from torch_spyre.runtime.registration import entry
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -286,4 +287,4 @@ def register() -> None:
     global _lib
     if _lib is None:
         _lib = torch.library.Library("aten", "IMPL")
-        _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+        _lib.impl("scaled_dot_product_attention", entry(_sdpa), "AutogradPrivateUse1")

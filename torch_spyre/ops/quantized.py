@@ -46,6 +46,7 @@ from torch_spyre.layout import FP8_DTYPES
 from torch_spyre.ops.matmul import _bias, _lhs, _rhs
 from torch_spyre.ops.registry import NoKernel, kernel
 from torch_spyre.runtime import dispatch_stats, launch, operands
+from torch_spyre.runtime.registration import entry
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 #: the 8-bit types of quantised data
@@ -290,9 +291,9 @@ def register() -> None:
     """The spyre kernels of the quantisation ops (``ops.register`` calls it)."""
     global _registered
     if not _registered:
-        _lib.impl("quantize", _quantize_device, "PrivateUse1")
-        _lib.impl("dequantize", _dequantize_device, "PrivateUse1")
-        _lib.impl("quantized_linear", _quantized_linear_device, "PrivateUse1")
+        _lib.impl("quantize", entry(_quantize_device), "PrivateUse1")
+        _lib.impl("dequantize", entry(_dequantize_device), "PrivateUse1")
+        _lib.impl("quantized_linear", entry(_quantized_linear_device), "PrivateUse1")
         _registered = True
 
 

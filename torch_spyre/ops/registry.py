@@ -8,6 +8,7 @@ import torch
 
 from torch_spyre.ops.errors import annotated, fp8_arithmetic, fp8_operand
 from torch_spyre.runtime import dispatch_stats
+from torch_spyre.runtime.registration import entry
 
 _lib: torch.library.Library | None = None
 #: (overload name, kernel) declared by the ``kernel`` decorator, registered by
@@ -23,7 +24,7 @@ def register() -> None:
         _lib = torch.library.Library("aten", "IMPL")
     while _declared:
         name, impl = _declared.pop(0)
-        _lib.impl(name, impl, "PrivateUse1")
+        _lib.impl(name, entry(impl), "PrivateUse1")
 
 
 class NoKernel(Exception):

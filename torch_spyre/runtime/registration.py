@@ -41,12 +41,26 @@ def register() -> None:
         ("_local_scalar_dense", copies._local_scalar_dense),
         ("resize_", copies.resize_),
     ):
-        aten.impl(name, fn, "PrivateUse1")
+        aten.impl(name, entry(fn), "PrivateUse1")
     # No extension point exists for per-device Tensor methods; IBM's stack
     # adds this one the same way, so user code is portable between the two.
     torch.Tensor.device_tensor_layout = _device_tensor_layout
     _libs.append(aten)
     _done = True
+
+
+def entry(fn):
+    """A Python kernel as PyTorch's dispatcher calls it: with Dynamo off.
+
+    A ``torch.compile``d function that breaks its graph runs the rest eagerly
+    with Dynamo's frame hook still installed, and every Python frame a spyre
+    kernel enters (the simulator's executor, layouts, copies) would be
+    compiled in turn, recompiled for every shape until Dynamo's cache limit:
+    minutes for MPT's tiny config in the architecture sweep, for no gain (the
+    kernel is already the device's program).  ``torch.compiler.disable`` is
+    the public way to say a function is not to be traced; Dynamo tracing a
+    model never calls these (it runs ops on fake tensors)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def _device_tensor_layout(self: torch.Tensor):

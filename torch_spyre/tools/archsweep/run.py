@@ -87,7 +87,23 @@ def build(mt: ModelType, variant: int = 0) -> torch.nn.Module:
     cls = getattr(transformers, mt.model_class)
     torch.manual_seed(0)
     model = cls._from_config(cfg, dtype=torch.float32)
+    _break_ties(model)
     return model.eval()
+
+
+def _break_ties(model: torch.nn.Module) -> None:
+    """Give every constant parameter (a router initialised to zeros, norms to
+    ones) small random values around its constant.  A zero router scores every
+    expert alike, and which of equal scores a top-k picks is an implementation
+    detail (torch's CPU top-k of four equal values picks the last two, the
+    card's the first two): the comparison is meant to find wrong values, not
+    tie-breaking.  Fixed seed: every run builds the same model."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() > 1 and p.dtype.is_floating_point and bool((p == p.flatten()[0]).all()):
+                scale = max(float(p.flatten()[0].abs()), 1.0) * 0.05
+                p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
 def _inputs(model: torch.nn.Module) -> torch.Tensor:
