@@ -202,6 +202,21 @@ def set_rng_state_all(states) -> None:
         g.set_state(s)
 
 
+# ------------------------------------------------------------- card state
+def stream_error(device: DeviceLike = None) -> str:
+    """What put the card's stream into error ("" when it is healthy): a kernel
+    that failed while it ran on the card.  The card then refuses every launch
+    and transfer until ``reset_device_state``."""
+    return cards.stream_error(_checked(device))
+
+
+def reset_device_state(device: DeviceLike = None) -> None:
+    """Reset the card (every card when ``device`` is None) out of a stream
+    error; its memory and tensors are kept.  The equivalent of restarting
+    IBM's runtime after ``SpyreDeviceState.StreamError``."""
+    cards.clear_stream_error(None if device is None else _checked(device))
+
+
 # ------------------------------------------------------------------ streams
 class Stream(torch.Stream):
     """A stream on a spyre card.

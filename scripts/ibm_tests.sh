@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# Run IBM's own torch-spyre tests, from the pinned upstream snapshot and
+# unchanged, against this checkout's torch_spyre.
+#
+#   scripts/ibm_tests.sh                 the files IBM's `make tests` YAML names
+#                                        (tests/configs/torch_spyre_tests, outside
+#                                        tests/inductor), one pytest per file
+#   scripts/ibm_tests.sh FILE...         only these (paths inside the snapshot,
+#                                        e.g. tests/test_spyre.py)
+#   scripts/ibm_tests.sh --model-ops [-- PYTEST_ARGS]
+#                                        tests/models/test_model_ops.py over
+#                                        tests/resource/models/*.yaml (long:
+#                                        ~4,000 cases; pass e.g. -- -x or -k)
+#
+# The snapshot's tests, conftest.py and pyproject.toml are copied into a
+# temporary directory (IBM's torch_spyre/ is NOT copied: our package is
+# what is imported, from this checkout).  Prints pass/fail/error/skip counts
+# per file and the totals; the per-file pytest logs stay in $OUT
+# (default /tmp/ibm_tests.<pid>; TORCH_SPYRE_IBM_TESTS_OUT overrides).
+#
+# The snapshot: torch-spyre-tests-*.tar.gz in ../shared/clients (or
+# TORCH_SPYRE_IBM_CLIENTS).  PER_FILE_TIMEOUT (seconds, default 900) bounds
+# each file's run.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CLIENTS="${TORCH_SPYRE_IBM_CLIENTS:-}"
+if [[ -z "$CLIENTS" ]]; then
+  for c in "$ROOT/../shared/clients" /work/shared/clients; do
+    if compgen -G "$c/torch-spyre-tests-*.tar.gz" >/dev/null; then CLIENTS="$c"; break; fi
+  done
+fi
+TARBALL="$(ls "$CLIENTS"/torch-spyre-tests-*.tar.gz 2>/dev/null | sort | tail -1 || true)"
+if [[ -z "$TARBALL" ]]; then
+  echo "ibm_tests: no torch-spyre-tests-*.tar.gz in ../shared/clients (set TORCH_SPYRE_IBM_CLIENTS)" >&2
+  exit 2
+fi
+
+MODE=yaml
+FILES=()
+EXTRA=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model-ops) MODE=model-ops; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) FILES+=("$1"); shift ;;
+  esac
+done
+
+OUT="${TORCH_SPYRE_IBM_TESTS_OUT:-/tmp/ibm_tests.$$}"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/ibm_tests_run.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$OUT"
+tar xzf "$TARBALL" -C "$WORK"
+SNAP="$(ls -d "$WORK"/torch-spyre-*/)"
+SNAP="${SNAP%/}"
+# Their torch_spyre/ holds only _C.pyi: remove it so ours is imported.
+rm -rf "$SNAP/torch_spyre"
+
+if [[ "$MODE" == yaml && ${#FILES[@]} -eq 0 ]]; then
+  mapfile -t FILES < <(
+    grep -rh 'path: *\${TORCH_DEVICE_ROOT}/' "$SNAP/tests/configs/torch_spyre_tests" --include='*.yaml' \
+      | grep -v '/tests/inductor/' | sed -e 's/.*\${TORCH_DEVICE_ROOT}\///' | sort -u
+  )
+fi
+if [[ "$MODE" == model-ops ]]; then
+  FILES=(tests/models/test_model_ops.py)
+fi
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PER_FILE_TIMEOUT="${PER_FILE_TIMEOUT:-900}"
+echo "ibm_tests: $(basename "$TARBALL") against $ROOT; logs in $OUT"
+RESULTS="$OUT/results.tsv"
+: >"$RESULTS"
+for f in "${FILES[@]}"; do
+  name="${f//\//__}"
+  xml="$OUT/$name.xml"
+  rm -f "$xml"
+  args=(-q -p no:cacheprovider -o addopts= --junitxml="$xml" "$f")
+  if [[ "$MODE" == model-ops ]]; then
+    args=(-q -p no:cacheprovider -o addopts= -c pytest_models.ini --junitxml="$xml" "$f")
+  fi
+  (cd "$SNAP" && timeout "$PER_FILE_TIMEOUT" python -m pytest "${args[@]}" "${EXTRA[@]}" \
+    >"$OUT/$name.log" 2>&1) || true
+  python - "$f" "$xml" "$OUT/$name.log" >>"$RESULTS" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+f, xml, log = sys.argv[1:4]
+p = fl = e = s = 0
+try:
+    root = ET.parse(xml).getroot()
+    for tc in root.iter("testcase"):
+        kinds = {c.tag for c in tc}
+        if "failure" in kinds:
+            fl += 1
+        elif "error" in kinds:
+            e += 1
+        elif "skipped" in kinds:
+            s += 1
+        else:
+            p += 1
+    if p + fl + e + s == 0:
+        for ts in root.iter("testsuite"):
+            e += int(ts.get("errors", 0))
+except (OSError, ET.ParseError):
+    e = -1  # no report: the run crashed or timed out (see the log)
+print(f"{f}\t{p}\t{fl}\t{e}\t{s}")
+EOF
+  tail -1 "$RESULTS"
+done
+
+python - "$RESULTS" <<'EOF'
+import sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+print()
+print(f"{'file':55s} {'pass':>5s} {'fail':>5s} {'error':>5s} {'skip':>5s} {'total':>6s}")
+tp = tf = te = ts = 0
+for f, p, fl, e, s in rows:
+    p, fl, e, s = map(int, (p, fl, e, s))
+    crashed = e < 0
+    e = max(e, 0)
+    tp, tf, te, ts = tp + p, tf + fl, te + e, ts + s
+    note = "  (no report: crashed or timed out)" if crashed else ""
+    print(f"{f:55s} {p:5d} {fl:5d} {e:5d} {s:5d} {p + fl + e + s:6d}{note}")
+tot = tp + tf + te + ts
+pct = 100.0 * tp / tot if tot else 0.0
+print(f"{'TOTAL':55s} {tp:5d} {tf:5d} {te:5d} {ts:5d} {tot:6d}  ({pct:.1f}% passed)")
+EOF
