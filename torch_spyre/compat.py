@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from torch_spyre.layout import STICK_BYTES, SpyreTensorLayout, check_dtype, stick_elems
+from torch_spyre.layout import (
+    STICK_BYTES,
+    SpyreTensorLayout,
+    UnsupportedDtypeError,
+    check_dtype,
+    stick_elems,
+)
 
 
 # ------------------------------------------------------------------ dtypes
@@ -147,10 +153,12 @@ def _from_dim_order(size, stride, dtype, dim_order) -> SpyreTensorLayout:
             f"contiguous tensor (tensor.contiguous()) instead"
         )
     if dim_order and dim_order[-1] == -1:
-        raise NotImplementedError(
-            f"sparse stick layouts (dim_order={dim_order}, ending in -1: one element per "
-            f"stick) are not supported on this card yet; use a dim_order without -1"
-        )
+        # a sparse stick layout: one element per stick, the rest padding.  The
+        # stick pads a trailing host dim of size 1 (the tensor is a view of
+        # size + [1]): device memory holds stick_elems times the values.
+        if -1 in dim_order[:-1]:
+            raise ValueError(f"dim_order={dim_order}: only the last entry may be -1")
+        return _from_dim_order(list(size) + [1], None, dtype, list(dim_order[:-1]) + [n])
     if sorted(dim_order) != list(range(n)):
         raise ValueError(
             f"dim_order={dim_order} must be a permutation of the {n} host dims of size {size}"
@@ -291,35 +299,82 @@ def same_device_layout(a: SpyreTensorLayout, b: SpyreTensorLayout) -> bool:
     )
 
 
-def fit(layout: SpyreTensorLayout, size: Sequence[int], dtype: torch.dtype) -> SpyreTensorLayout:
-    """``layout`` for a contiguous tensor of ``size`` and ``dtype``.
+def fit(
+    layout: SpyreTensorLayout,
+    size: Sequence[int],
+    dtype: torch.dtype,
+    strides: Sequence[int] | None = None,
+) -> SpyreTensorLayout:
+    """``layout`` for a tensor of ``size`` and ``dtype`` (the layout's
+    ``stride_map`` read against ``strides``, the source tensor's element
+    strides, when given: IBM's stride maps are strides of the host tensor as
+    it is in memory, e.g. a transposed one).
 
-    The storage keeps the layout's host shape when the tensor's own shape
-    cannot be laid out the same way (e.g. IBM's slot-major KV pages, whose
-    first device dim spans two host dims): any contiguous shape with as many
-    elements is a view of it.
+    In order: the layout of ``size`` itself (padding in any dim, stick dims
+    of size-1 dims); the layout's own host shape, when it has as many
+    elements (e.g. IBM's slot-major KV pages, whose first device dim spans
+    two host dims: the tensor is a view of it); the *folded* layout, where
+    the tensor's elements in order are packed into sticks across rows (e.g.
+    a [40, 60] fp16 tensor as device_size [38, 64], stride_map [64, 1]: 38
+    sticks where rows padded to whole sticks take 40).
     """
     size = [int(s) for s in size]
+    numel = math.prod(size)
     if get_device_dtype(dtype) != layout.device_dtype:
         raise ValueError(
             f"device_layout {layout} stores {layout.device_dtype}, but the tensor is {dtype} "
             f"({get_device_dtype(dtype)}): build the layout for {dtype}"
         )
-    if math.prod(size) != layout.numel:
-        raise ValueError(
-            f"device_layout {layout} lays out {layout.numel} elements (host size "
-            f"{list(layout.host_size)}), but the tensor of size {size} has {math.prod(size)}"
-        )
-    try:
-        return from_device(layout.device_size, layout.stride_map, dtype, size)
-    except ValueError:
+    dev, smap = list(layout.device_size), list(layout.stride_map)
+    if strides is not None and [int(s) for s in strides] != _contiguous_strides(size):
+        smap = _logical_strides(dev, smap, size, [int(s) for s in strides])
+    if smap is not None:
+        with contextlib.suppress(ValueError):
+            return from_device(dev, smap, dtype, size)
+    if layout.numel == numel and smap == list(layout.stride_map):
         return layout
+    if smap is not None and len(size) != 1:
+        with contextlib.suppress(ValueError):
+            return from_device(dev, smap, dtype, [numel])  # folded
+    raise ValueError(
+        f"device_layout {layout} lays out {layout.numel} elements (host size "
+        f"{list(layout.host_size)}), but the tensor of size {size} has {numel}, and its "
+        f"elements in order (folded) do not fit it either"
+    )
+
+
+def _logical_strides(dev, smap, size, strides) -> list[int] | None:
+    """``smap`` (strides of a tensor of ``size`` with element ``strides``) as
+    strides of the contiguous tensor of ``size``; None when a device dim
+    steps through no single host dim."""
+    contiguous = _contiguous_strides(size)
+    out = []
+    for n, s in zip(dev, smap):
+        if n == 1 or s == -1:
+            out.append(-1)
+            continue
+        ks = [
+            k
+            for k in range(len(size))
+            if size[k] > 1 and strides[k] > 0 and s % strides[k] == 0 and s >= strides[k]
+        ]
+        ks = [k for k in ks if s // strides[k] < size[k]] or ks[-1:]
+        if len(ks) != 1:
+            return None
+        out.append(contiguous[ks[0]] * (s // strides[ks[0]]))
+    return out
 
 
 def empty_in_layout(
-    size: Sequence[int], layout: SpyreTensorLayout, dtype: torch.dtype | None, device: Any
+    size: Sequence[int],
+    layout: SpyreTensorLayout,
+    dtype: torch.dtype | None,
+    device: Any,
+    strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """A new contiguous spyre tensor of ``size`` whose storage is in ``layout``."""
+    """A new contiguous spyre tensor of ``size`` whose storage is in ``layout``
+    (``strides``: of the tensor whose memory ``layout``'s stride_map describes,
+    when not contiguous; see ``fit``)."""
     from torch_spyre import _C
 
     if not isinstance(layout, SpyreTensorLayout):
@@ -328,7 +383,7 @@ def empty_in_layout(
         )
     dtype = dtype or layout.dtype
     device = _spyre_target(device)
-    lay = fit(layout, size, dtype)
+    lay = fit(layout, size, dtype, strides)
     index = device.index if device.index is not None else _C._get_device()
     return _C._empty_in_layout(
         [int(s) for s in size],
@@ -360,9 +415,22 @@ _orig_to = torch.Tensor.to
 _orig_factories: dict[str, Any] = {}
 
 
+@contextlib.contextmanager
+def _dtype_error_as_ibm() -> Iterator[None]:
+    """The C++ dtype check raises a TypeError, IBM's runtime a RuntimeError:
+    ours (``layout.UnsupportedDtypeError``) is both."""
+    try:
+        yield
+    except TypeError as err:
+        if type(err) is TypeError and str(err).startswith("spyre does not store"):
+            raise UnsupportedDtypeError(str(err)) from None
+        raise
+
+
 def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = None, **kwargs):
     if device_layout is None:
-        return _orig_to(self, *args, **kwargs)
+        with _dtype_error_as_ibm():
+            return _orig_to(self, *args, **kwargs)
     if not isinstance(device_layout, SpyreTensorLayout):
         raise TypeError(
             f"device_layout must be a torch.spyre.SpyreTensorLayout, got "
@@ -381,7 +449,8 @@ def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = Non
         and same_device_layout(self.device_tensor_layout(), fit(device_layout, self.shape, dtype))
     ):
         return self
-    out = empty_in_layout(self.shape, device_layout, dtype, device)
+    strides = None if self.is_contiguous() else self.stride()
+    out = empty_in_layout(self.shape, device_layout, dtype, device, strides)
     out.copy_(self)
     return out
 
@@ -403,13 +472,22 @@ def _factory(name: str, fill_arg: bool):
     @functools.wraps(orig)
     def factory(*args, device_layout: SpyreTensorLayout | None = None, **kwargs):
         if device_layout is None:
-            return orig(*args, **kwargs)
+            with _dtype_error_as_ibm():
+                return orig(*args, **kwargs)
         args = list(args)
         fill = (
             (kwargs.pop("fill_value") if "fill_value" in kwargs else args.pop()) if fill_arg else 0
         )
         requires_grad = kwargs.pop("requires_grad", False)
         dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
+        fmt = kwargs.get("memory_format")
+        if fmt is not None and fmt not in (torch.contiguous_format, torch.preserve_format):
+            # a device layout fixes where every element goes: the host strides
+            # are the contiguous ones (without device_layout= we take any format)
+            raise RuntimeError(
+                f"Spyre backend only supports contiguous memory format with device_layout= "
+                f"(got {fmt}); drop device_layout= for a {fmt} tensor in the default layout"
+            )
         for ignored in ("layout", "pin_memory", "memory_format", "out"):
             value = kwargs.pop(ignored, None)
             if ignored == "out" and value is not None:

@@ -68,8 +68,9 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
-class UnsupportedDtypeError(TypeError):
-    pass
+class UnsupportedDtypeError(TypeError, RuntimeError):
+    """A dtype spyre does not store: a TypeError (a wrong argument), and a
+    RuntimeError as IBM's runtime raises for one (their tests catch that)."""
 
 
 def check_dtype(dtype: torch.dtype) -> None:

@@ -55,8 +55,8 @@ def test_ibm_constructor_forms_and_repr():
 
 
 def test_bad_ibm_layouts_are_clear_errors():
-    with pytest.raises(NotImplementedError, match="sparse"):
-        SpyreTensorLayout([4, 64], [64, 1], F16, [0, 1, -1])
+    with pytest.raises(ValueError, match="only the last entry may be -1"):
+        SpyreTensorLayout([4, 64], [64, 1], F16, [0, -1, -1])
     with pytest.raises(ValueError, match="permutation"):
         SpyreTensorLayout([4, 64], [64, 1], F16, [0, 0])
     with pytest.raises(ValueError, match="one stick of 64"):

@@ -85,9 +85,10 @@ def config(index: int = 0) -> HardwareConfig:
     return card(index).config
 
 
-def record_transfer(index: int, kind: str, nbytes: int, label: str = "") -> None:
-    """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
-    card(index).record_transfer(kind, nbytes, label)
+def record_transfer(index: int, kind: str, nbytes: int, label: str = "", segments: int = 0) -> None:
+    """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`
+    (``segments``: extra host pieces its sticks are gathered from)."""
+    card(index).record_transfer(kind, nbytes, label, segments)
 
 
 def record_collective(

@@ -223,21 +223,31 @@ class SimulatedCard:
         return rep
 
     # ---------------------------------------------------------- transfers
-    def transfer_time(self, kind: str, nbytes: int) -> float:
+    def transfer_time(self, kind: str, nbytes: int, segments: int = 0) -> float:
+        """``segments``: extra host segments the DMA gathers sticks from, one
+        descriptor each (a folded layout packs host rows across sticks: a
+        stick that a row boundary breaks is assembled from two pieces)."""
         cfg = self.config
+        extra = segments * cfg.dma_setup_cycles / cfg.clock_hz
         if kind in ("h2d", "d2h"):
             # PCIe Gen5 x16, one direction: fixed latency + bytes at link rate
-            return cfg.pcie_latency_s + nbytes / cfg.pcie_bandwidth_Bps
+            return cfg.pcie_latency_s + nbytes / cfg.pcie_bandwidth_Bps + extra
         if kind == "d2d":
             # a DMA that reads and writes LPDDR5: both directions use its bandwidth
-            return cfg.dma_setup_cycles / cfg.clock_hz + 2 * nbytes / cfg.sustained_bandwidth_Bps
+            return (
+                cfg.dma_setup_cycles / cfg.clock_hz
+                + 2 * nbytes / cfg.sustained_bandwidth_Bps
+                + extra
+            )
         raise ValueError(f"transfer kind must be one of {TRANSFER_KINDS}, got {kind!r}")
 
-    def record_transfer(self, kind: str, nbytes: int, label: str = "") -> trace.TransferRecord:
+    def record_transfer(
+        self, kind: str, nbytes: int, label: str = "", segments: int = 0
+    ) -> trace.TransferRecord:
         self.check_stream()
         if nbytes < 0:
             raise ValueError(f"transfer of {nbytes} bytes")
-        t = self.transfer_time(kind, int(nbytes))
+        t = self.transfer_time(kind, int(nbytes), int(segments))
         start = self._clock.account_transfer(TRANSFER_KINDS.index(kind), int(nbytes), t)
         rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t, label)
         trace.emit(rec)
