@@ -471,6 +471,11 @@ def _factory(name: str, fill_arg: bool):
 
     @functools.wraps(orig)
     def factory(*args, device_layout: SpyreTensorLayout | None = None, **kwargs):
+        if args and "size" in kwargs:  # IBM's (PyTorch's parser's) wording
+            raise TypeError(
+                f"{name}() received an invalid combination of arguments: a positional "
+                f"size and size= (give one)"
+            )
         if device_layout is None:
             with _dtype_error_as_ibm():
                 return orig(*args, **kwargs)

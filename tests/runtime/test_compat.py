@@ -120,7 +120,9 @@ def test_hf_adapters_cache_position_first_layout():
 def test_device_layout_misuse_is_a_clear_error():
     lay = SpyreTensorLayout([4, 64], F16)
     with pytest.raises(ValueError, match="lays out 256 elements"):
-        torch.empty(4, 32, dtype=F16, device_layout=lay)
+        torch.empty(8, 64, dtype=F16, device_layout=lay)  # more elements than it holds
+    # (fewer fit: [4, 32] folds into its first two sticks, as IBM's folded layouts)
+    assert torch.equal(torch.ones(4, 32, dtype=F16, device_layout=lay).cpu(), torch.ones(4, 32))
     with pytest.raises(ValueError, match="build the layout for torch.float32"):
         torch.randn(4, 64).to("spyre", device_layout=lay)
     # as on IBM's stack, a device layout puts the tensor on spyre, with a warning here
