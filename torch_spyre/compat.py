@@ -202,6 +202,8 @@ def from_device(
     dev = [int(s) for s in device_size]
     strides = [int(s) for s in stride_map]
     what = f"device_size={dev}, stride_map={strides} ({dtype})"
+    if _stick_pads_a_one(dev, strides):
+        strides[-1] = -1
     if len(dev) != len(strides) or len(dev) < 2:
         raise ValueError(f"{what}: need one stride per device dim, and at least 2 dims")
     if dev[-1] != stick_elems(dtype):
@@ -223,6 +225,15 @@ def from_device(
             f"would be {list(lay.stride_map)})"
         )
     return lay
+
+
+def _stick_pads_a_one(dev, strides) -> bool:
+    """True when the stick repeats another device dim's stride: it then pads a
+    trailing host dim of size 1 (one element per stick; a tensor is a view of
+    its size + [1]), whose stride IBM writes as any value."""
+    return strides[-1] != -1 and any(
+        s == strides[-1] for n, s in zip(dev[:-1], strides[:-1]) if n > 1
+    )
 
 
 def _norm(dev, strides) -> list[int]:
@@ -331,11 +342,18 @@ def fit(
     if smap is not None:
         with contextlib.suppress(ValueError):
             return from_device(dev, smap, dtype, size)
+        if _stick_pads_a_one(dev, smap):
+            with contextlib.suppress(ValueError):
+                return from_device(dev, smap, dtype, size + [1])
     if layout.numel == numel and smap == list(layout.stride_map):
         return layout
     if smap is not None and len(size) != 1:
         with contextlib.suppress(ValueError):
             return from_device(dev, smap, dtype, [numel])  # folded
+    if layout.numel > numel and smap == list(layout.stride_map):
+        # a tiled host shape with padding blocks (e.g. [40, 60] as 2 blocks of
+        # 24 rows): the tensor is the first ``numel`` elements of it, in order
+        return layout
     raise ValueError(
         f"device_layout {layout} lays out {layout.numel} elements (host size "
         f"{list(layout.host_size)}), but the tensor of size {size} has {numel}, and its "

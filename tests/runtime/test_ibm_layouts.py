@@ -102,3 +102,26 @@ def test_a_fold_that_breaks_stick_boundaries_costs_descriptors():
         device_layout=Layout(device_size=[8, 64], stride_map=[64, 1], device_dtype=SEN169)
     )
     assert access.fold_segments(y) == 0
+
+
+def test_tiled_layout_with_a_padding_block():
+    """[40, 60] as 2 blocks of 24 rows (the block dim outside the rows' dim in
+    device order): the storage lays out 48 rows, the tensor is its first 40."""
+    x = torch.rand(40, 60, dtype=F16)
+    lay = Layout(device_size=[24, 1, 2, 64], stride_map=[60, 64, 1440, 1], device_dtype=SEN169)
+    dev = x.to(device_layout=lay)
+    assert torch.equal(dev.cpu(), x)
+    assert access.storage_layout(dev).host_size == (2, 24, 60)
+    dev[30:].copy_(torch.zeros(10, 60, dtype=F16).to("spyre"))
+    want = x.clone()
+    want[30:] = 0
+    assert torch.equal(dev.cpu(), want)
+
+
+def test_trailing_ones_stick_holds_one_element():
+    x = torch.rand(60, dtype=F16)
+    lay = Layout(device_size=[1, 60, 64], stride_map=[64, 1, 1], device_dtype=SEN169)
+    assert list(lay.stride_map) == [-1, 1, -1]
+    dev = x.to(device_layout=lay)
+    assert torch.equal(dev.cpu(), x)
+    assert access.storage_layout(dev).nbytes == 60 * 128
