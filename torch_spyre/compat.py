@@ -863,7 +863,32 @@ def _stream_fns() -> dict[str, Any]:
     def _get_default_generator(device: int = 0) -> torch.Generator:
         return torch.spyre.default_generators[int(device)]
 
+    def get_spyre_tensor_layout(t: torch.Tensor) -> SpyreTensorLayout:
+        return t.device_tensor_layout()
+
+    def to_with_layout(t: torch.Tensor, layout: SpyreTensorLayout) -> torch.Tensor:
+        return t.to(t.device if t.device.type == "spyre" else "spyre", device_layout=layout)
+
+    def empty_with_layout(size, layout, dtype=None, device=None, pin_memory=None, fmt=None):
+        if fmt not in (None, torch.contiguous_format, torch.preserve_format):
+            raise RuntimeError(
+                f"Spyre backend only supports contiguous memory format with a layout (got {fmt})"
+            )
+        return empty_in_layout(size, layout, dtype, device)
+
+    def spyre_empty_with_layout(size, stride, dtype, layout) -> torch.Tensor:
+        if [int(s) for s in stride] != _contiguous_strides(size):
+            raise RuntimeError(
+                f"spyre_empty_with_layout: strides {list(stride)} are not the contiguous "
+                f"ones of size {list(size)}"
+            )
+        return empty_in_layout(size, layout, dtype, None)
+
     return {
+        "get_spyre_tensor_layout": get_spyre_tensor_layout,
+        "to_with_layout": to_with_layout,
+        "empty_with_layout": empty_with_layout,
+        "spyre_empty_with_layout": spyre_empty_with_layout,
         "current_stream": current_stream,
         "default_stream": default_stream,
         "get_stream_from_pool": get_stream_from_pool,
