@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import inspect
 import math
 import os
 import sys
@@ -548,13 +549,29 @@ def _install_device_layout() -> None:
     _device_constructors()
     _to.__wrapped_by_spyre__ = True  # type: ignore[attr-defined]
     functools.update_wrapper(_to, _orig_to, assigned=("__doc__", "__name__", "__qualname__"))
+    _to.__signature__ = _signature(method=True)  # type: ignore[attr-defined]
     torch.Tensor.to = _to  # type: ignore[method-assign]
     for name, fill in _FACTORIES.items():
         _patched[name] = _factory(name, fill)
+        _patched[name].__signature__ = _signature(method=False)
         setattr(torch, name, _patched[name])
     _orig_factories["ones"] = torch.ones
     functools.update_wrapper(_ones, torch.ones)
+    _ones.__signature__ = _signature(method=False)  # type: ignore[attr-defined]
     torch.ones = _ones  # type: ignore[assignment]
+
+
+def _signature(method: bool) -> inspect.Signature:
+    """What inspect reports for the patched functions (the wrapped builtins
+    have none): the device_layout= keyword, the rest as PyTorch parses it."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_ONLY)] if method else []
+    params += [
+        P("args", P.VAR_POSITIONAL),
+        P("device_layout", P.KEYWORD_ONLY, default=None),
+        P("kwargs", P.VAR_KEYWORD),
+    ]
+    return inspect.Signature(params)
 
 
 # ------------------------------------------------------------- torch.spyre
@@ -938,9 +955,14 @@ def install() -> None:
         ("set_downcast_warning", set_downcast_warning),
         ("memory", memory),
         ("reset_accumulated_memory_stats", memory.reset_accumulated_memory_stats),
+        # IBM's allocator hooks, as torch.spyre._spyre_* (their tests call them)
+        ("_spyre_get_allocator_stats", memory.memory_stats),
+        ("_spyre_reset_accumulated_stats", memory.reset_accumulated_memory_stats),
+        ("_spyre_reset_peak_stats", memory.reset_peak_memory_stats),
     ):
         setattr(spyre, name, value)
     _install_device_layout()
+    torch.Tensor._spyre_tensor_patched = True  # IBM's marker of the patches above
     _install_fp8_ops()
     # IBM's runtime exports the number of visible cards; IBM's clients read it
     # (without importing torch_spyre) to decide whether a card is there.

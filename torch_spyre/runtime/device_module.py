@@ -41,7 +41,13 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    """Whether the cards have been used: a tensor allocated or a kernel or copy
+    run on one.  Importing torch_spyre sets the cards up (cheaply: there is no
+    driver to start), but, as torch.cuda's, this stays False until then."""
+    for i in range(cards.num_cards()):
+        if cards.memory_stats(i)["num_allocs"] or cards.card(i).clock_s:
+            return True
+    return False
 
 
 def _is_in_bad_fork() -> bool:
