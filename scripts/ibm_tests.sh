@@ -18,6 +18,9 @@
 # per file and the totals; the per-file pytest logs stay in $OUT
 # (default /tmp/ibm_tests.<pid>; TORCH_SPYRE_IBM_TESTS_OUT overrides).
 #
+# TORCH_SPYRE_DEVICE_MEMORY defaults to 4GiB here (the simulated card's
+# memory is host RAM; IBM's memory-pressure tests fill the card).
+#
 # The snapshot: torch-spyre-tests-*.tar.gz in ../shared/clients (or
 # TORCH_SPYRE_IBM_CLIENTS).  PER_FILE_TIMEOUT (seconds, default 900) bounds
 # each file's run.
@@ -69,6 +72,11 @@ if [[ "$MODE" == model-ops ]]; then
 fi
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The simulated card's memory is host RAM, and IBM's memory-pressure tests
+# fill the card until it runs out: a card of 112 GiB would take the machine's
+# RAM first.  A smaller card (an environment setting, not a change to the
+# tests) unless the caller chose one.
+export TORCH_SPYRE_DEVICE_MEMORY="${TORCH_SPYRE_DEVICE_MEMORY:-4GiB}"
 PER_FILE_TIMEOUT="${PER_FILE_TIMEOUT:-900}"
 echo "ibm_tests: $(basename "$TARBALL") against $ROOT; logs in $OUT"
 RESULTS="$OUT/results.tsv"
