@@ -125,3 +125,18 @@ def test_trailing_ones_stick_holds_one_element():
     dev = x.to(device_layout=lay)
     assert torch.equal(dev.cpu(), x)
     assert access.storage_layout(dev).nbytes == 60 * 128
+
+
+def test_ibm_model_loader_lays_out_linear_and_embedding_weights():
+    from torch_spyre.model_utils import load_model_to_spyre
+
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 128, dtype=F16), torch.nn.Linear(128, 128, dtype=F16)
+    )
+    ref = [p.detach().clone() for p in model.parameters()]
+    load_model_to_spyre(model)
+    emb, lin = model[0].weight, model[1].weight
+    assert list(emb.device_tensor_layout().device_size) == [10, 2, 64]  # rows outermost
+    assert lin.device_tensor_layout().dim_map[-1] == 0  # sticks along out_features
+    for p, want in zip(model.parameters(), ref):
+        assert p.device.type == "spyre" and torch.equal(p.cpu(), want)
