@@ -7,6 +7,7 @@
 #                                        tests/inductor), one pytest per file
 #   scripts/ibm_tests.sh FILE...         only these (paths inside the snapshot,
 #                                        e.g. tests/test_spyre.py)
+#   scripts/ibm_tests.sh --report DIR    the counts of an earlier run (its logs in DIR)
 #   scripts/ibm_tests.sh --model-ops [-- PYTEST_ARGS]
 #                                        tests/models/test_model_ops.py over
 #                                        tests/resource/models/*.yaml (long:
@@ -45,6 +46,7 @@ EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model-ops) MODE=model-ops; shift ;;
+    --report) MODE=report; REPORT_DIR="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) FILES+=("$1"); shift ;;
@@ -71,34 +73,21 @@ if [[ "$MODE" == model-ops ]]; then
   FILES=(tests/models/test_model_ops.py)
 fi
 
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# The simulated card's memory is host RAM, and IBM's memory-pressure tests
-# fill the card until it runs out: a card of 112 GiB would take the machine's
-# RAM first.  A smaller card (an environment setting, not a change to the
-# tests) unless the caller chose one.
-export TORCH_SPYRE_DEVICE_MEMORY="${TORCH_SPYRE_DEVICE_MEMORY:-4GiB}"
-PER_FILE_TIMEOUT="${PER_FILE_TIMEOUT:-900}"
-echo "ibm_tests: $(basename "$TARBALL") against $ROOT; logs in $OUT"
-RESULTS="$OUT/results.tsv"
-: >"$RESULTS"
-for f in "${FILES[@]}"; do
-  name="${f//\//__}"
-  xml="$OUT/$name.xml"
-  rm -f "$xml"
-  args=(-q -p no:cacheprovider -o addopts= --junitxml="$xml" "$f")
-  if [[ "$MODE" == model-ops ]]; then
-    args=(-q -p no:cacheprovider -o addopts= -c pytest_models.ini --junitxml="$xml" "$f")
-  fi
-  (cd "$SNAP" && timeout "$PER_FILE_TIMEOUT" python -m pytest "${args[@]}" "${EXTRA[@]}" \
-    >"$OUT/$name.log" 2>&1) || true
-  python - "$f" "$xml" "$SNAP/$f" >>"$RESULTS" <<'EOF'
+file_counts() {  # FILE XML: one tab-separated row of counts
+  python - "$1" "$2" "$SNAP/$1" <<'EOF'
 import re, sys, xml.etree.ElementTree as ET
 f, xml, src = sys.argv[1:4]
 p = fl = e = s = 0
 note = ""
 try:
     root = ET.parse(xml).getroot()
-    for tc in root.iter("testcase"):
+    cases = list(root.iter("testcase"))
+    if cases and all(
+        c.find("error") is not None and "collection" in (c.find("error").get("message") or "")
+        for c in cases
+    ):
+        cases = []  # only the file's collection error
+    for tc in cases:
         kinds = {c.tag for c in tc}
         if "failure" in kinds:
             fl += 1
@@ -117,6 +106,36 @@ except (OSError, ET.ParseError):
     e, note = -1, "no report: crashed or timed out"
 print(f"{f}\t{p}\t{fl}\t{e}\t{s}\t{note}")
 EOF
+}
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The simulated card's memory is host RAM, and IBM's memory-pressure tests
+# fill the card until it runs out: a card of 112 GiB would take the machine's
+# RAM first.  A smaller card (an environment setting, not a change to the
+# tests) unless the caller chose one.
+export TORCH_SPYRE_DEVICE_MEMORY="${TORCH_SPYRE_DEVICE_MEMORY:-4GiB}"
+PER_FILE_TIMEOUT="${PER_FILE_TIMEOUT:-900}"
+echo "ibm_tests: $(basename "$TARBALL") against $ROOT; logs in $OUT"
+RESULTS="$OUT/results.tsv"
+: >"$RESULTS"
+if [[ "$MODE" == report ]]; then  # the counts of an earlier run's reports
+  FILES=()
+  for xml in "$REPORT_DIR"/*.xml; do
+    f="$(basename "$xml" .xml)"
+    file_counts "${f//__//}" "$xml" >>"$RESULTS"
+  done
+fi
+for f in "${FILES[@]}"; do
+  name="${f//\//__}"
+  xml="$OUT/$name.xml"
+  rm -f "$xml"
+  args=(-q -p no:cacheprovider -o addopts= --junitxml="$xml" "$f")
+  if [[ "$MODE" == model-ops ]]; then
+    args=(-q -p no:cacheprovider -o addopts= -c pytest_models.ini --junitxml="$xml" "$f")
+  fi
+  (cd "$SNAP" && timeout "$PER_FILE_TIMEOUT" python -m pytest "${args[@]}" "${EXTRA[@]}" \
+    >"$OUT/$name.log" 2>&1) || true
+  file_counts "$f" "$xml" >>"$RESULTS"
   tail -1 "$RESULTS"
 done
 
