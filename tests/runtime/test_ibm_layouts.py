@@ -140,3 +140,24 @@ def test_ibm_model_loader_lays_out_linear_and_embedding_weights():
     assert lin.device_tensor_layout().dim_map[-1] == 0  # sticks along out_features
     for p, want in zip(model.parameters(), ref):
         assert p.device.type == "spyre" and torch.equal(p.cpu(), want)
+
+
+def test_eager_ops_and_compiled_graphs_read_a_folded_tensor():
+    from torch_spyre.runtime import fallback
+
+    x = torch.rand(40, 60, dtype=F16)
+    w = torch.rand(60, 32, dtype=F16)
+    folded = Layout(device_size=[38, 64], stride_map=[64, 1], device_dtype=SEN169)
+    dev = x.to(device_layout=folded)
+    fallback.reset_fallback_counts()
+    ref = x.float()
+    torch.testing.assert_close((dev + dev).cpu().float(), ref + ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        (dev @ w.to("spyre")).cpu().float(), ref @ w.float(), atol=5e-2, rtol=2e-2
+    )
+    torch.testing.assert_close(dev.sum(-1).cpu().float(), ref.sum(-1), atol=5e-2, rtol=1e-2)
+    compiled = torch.compile(lambda a: (a * 2 + 1).relu())
+    torch.testing.assert_close(
+        compiled(dev).cpu().float(), (ref * 2 + 1).relu(), atol=2e-2, rtol=1e-2
+    )
+    assert fallback.fallback_counts() == {}  # on the card, not the host
