@@ -248,6 +248,9 @@ def _dim_map_for(dev, strides, host, what) -> list[int]:
     ones = [k for k, s in enumerate(host) if s == 1]
     dim_map = []
     for d, (size, s) in enumerate(zip(dev, strides)):
+        if s == 0 and d != len(dev) - 1:
+            dim_map.append(-1)  # a broadcast dim: the data repeated
+            continue
         if s == -1 or size == 1:
             if size == 1:
                 dim_map.append(-1)
@@ -275,6 +278,8 @@ def _infer_host(dev, strides, what) -> tuple[list[int], list[int]]:
         outer = [e for e in range(last) if strides[e] == strides[last] * dev[last] and dev[e] > 1]
         groups.append([outer[-1], last] if outer else [last])
     for d in range(n):
+        if strides[d] == 0:
+            continue  # a broadcast dim: the data repeated, no host dim
         if strides[d] != -1 and not any(d in g for g in groups):
             groups.append([d])
         elif strides[d] == -1 and dev[d] != 1 and d != last:

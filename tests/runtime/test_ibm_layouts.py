@@ -161,3 +161,17 @@ def test_eager_ops_and_compiled_graphs_read_a_folded_tensor():
         compiled(dev).cpu().float(), (ref * 2 + 1).relu(), atol=2e-2, rtol=1e-2
     )
     assert fallback.fallback_counts() == {}  # on the card, not the host
+
+
+def test_stride_zero_repeats_the_data():
+    """IBM's "expanding" layout: a device dim of stride 0 holds copies of the
+    data (the card stores each; a copy back reads the first)."""
+    x = torch.rand(60, dtype=F16)
+    lay = Layout(device_size=[1, 512, 64], stride_map=[64, 0, 1], device_dtype=SEN169)
+    assert list(lay.stride_map) == [-1, 0, 1]
+    dev = x.to(device_layout=lay)
+    assert torch.equal(dev.cpu(), x)
+    stored = access.storage_layout(dev)
+    assert stored.nbytes == 512 * 128
+    raw = access.device_tensor(dev, stored).reshape(512, 64)
+    assert torch.equal(raw[0], raw[511])  # every copy written
