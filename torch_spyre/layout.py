@@ -216,13 +216,14 @@ class SpyreTensorLayout:
     def stride_map(self) -> tuple[int, ...]:
         """Host-element stride of each device dim; -1 where it indexes nothing
         (a synthetic dim, or a host dim of size 1), as in IBM's stack."""
+        last = len(self.device_size) - 1
         return tuple(
-            (0 if n > 1 else -1)  # a synthetic dim of size > 1 repeats the data
+            (0 if n > 1 and d < last else -1)  # a synthetic dim > 1 repeats the data
             if k < 0
             else -1
             if self.host_size[k] == 1
             else self.host_strides[k] * u
-            for k, u, n in zip(self.dim_map, self.units, self.device_size)
+            for d, (k, u, n) in enumerate(zip(self.dim_map, self.units, self.device_size))
         )
 
     def elems_per_stick(self) -> int:
@@ -296,7 +297,8 @@ class SpyreTensorLayout:
     def _repeats(self) -> bool:
         """True when a synthetic device dim of size > 1 repeats the data (IBM's
         stride 0): writes fill every copy, reads take the first."""
-        return any(k < 0 and n > 1 for k, n in zip(self.dim_map, self.device_size))
+        dims = zip(self.dim_map[:-1], self.device_size[:-1])  # (a scalar's stick is its own)
+        return any(k < 0 and n > 1 for k, n in dims)
 
     @cached_property
     def _scalar_as_vector(self) -> SpyreTensorLayout | None:

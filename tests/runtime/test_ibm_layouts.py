@@ -169,6 +169,7 @@ def test_stride_zero_repeats_the_data():
     x = torch.rand(60, dtype=F16)
     lay = Layout(device_size=[1, 512, 64], stride_map=[64, 0, 1], device_dtype=SEN169)
     assert list(lay.stride_map) == [-1, 0, 1]
+    assert list(Layout([], F16).stride_map) == [-1, -1]  # a scalar's stick repeats nothing
     dev = x.to(device_layout=lay)
     assert torch.equal(dev.cpu(), x)
     stored = access.storage_layout(dev)
