@@ -439,6 +439,16 @@ _orig_to = torch.Tensor.to
 _orig_factories: dict[str, Any] = {}
 
 
+def _dtype_named(arg: Any) -> Any:
+    """IBM's ``Tensor.to`` takes a dtype by name ("torch.float32", as their
+    model-op YAML records it); anything else is passed on."""
+    if isinstance(arg, str) and arg.startswith("torch."):
+        dtype = getattr(torch, arg.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return arg
+
+
 @contextlib.contextmanager
 def _dtype_error_as_ibm() -> Iterator[None]:
     """The C++ dtype check raises a TypeError, IBM's runtime a RuntimeError:
@@ -452,6 +462,9 @@ def _dtype_error_as_ibm() -> Iterator[None]:
 
 
 def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = None, **kwargs):
+    args = tuple(_dtype_named(a) for a in args)
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _dtype_named(kwargs["dtype"])
     if device_layout is None:
         with _dtype_error_as_ibm():
             return _orig_to(self, *args, **kwargs)

@@ -245,3 +245,12 @@ def test_eager_kernels_relay_a_device_layout_operand():
     torch.testing.assert_close(
         pages.sum(-1).cpu().float(), host.float().sum(-1), atol=0.1, rtol=0.01
     )
+
+
+def test_to_takes_a_dtype_by_name_as_ibms():
+    # IBM's model-op YAML records dtypes as strings ("torch.float32")
+    assert torch.ones(2).to("torch.float16").dtype == F16
+    assert torch.ones(2).to("spyre", "torch.bfloat16").dtype == torch.bfloat16
+    assert torch.ones(2).to(dtype="torch.int32").dtype == torch.int32
+    with pytest.raises(RuntimeError):
+        torch.ones(2).to("torch.nosuchdtype")
