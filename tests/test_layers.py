@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"ops"},
     {"compiler"},
     {"models"},
-    {"validation", "vllm_plugin", "tools", "cli", "compat", "_inductor", "__init__"},
+    {"validation", "vllm_plugin", "tools", "cli", "compat", "_inductor", "model_utils", "__init__"},
 ]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 #: native modules and the package they belong to (csrc/ is the runtime's)

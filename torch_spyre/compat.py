@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import inspect
 import math
 import os
 import sys
@@ -34,7 +35,13 @@ from typing import Any
 
 import torch
 
-from torch_spyre.layout import STICK_BYTES, SpyreTensorLayout, check_dtype, stick_elems
+from torch_spyre.layout import (
+    STICK_BYTES,
+    SpyreTensorLayout,
+    UnsupportedDtypeError,
+    check_dtype,
+    stick_elems,
+)
 
 
 # ------------------------------------------------------------------ dtypes
@@ -147,10 +154,12 @@ def _from_dim_order(size, stride, dtype, dim_order) -> SpyreTensorLayout:
             f"contiguous tensor (tensor.contiguous()) instead"
         )
     if dim_order and dim_order[-1] == -1:
-        raise NotImplementedError(
-            f"sparse stick layouts (dim_order={dim_order}, ending in -1: one element per "
-            f"stick) are not supported on this card yet; use a dim_order without -1"
-        )
+        # a sparse stick layout: one element per stick, the rest padding.  The
+        # stick pads a trailing host dim of size 1 (the tensor is a view of
+        # size + [1]): device memory holds stick_elems times the values.
+        if -1 in dim_order[:-1]:
+            raise ValueError(f"dim_order={dim_order}: only the last entry may be -1")
+        return _from_dim_order(list(size) + [1], None, dtype, list(dim_order[:-1]) + [n])
     if sorted(dim_order) != list(range(n)):
         raise ValueError(
             f"dim_order={dim_order} must be a permutation of the {n} host dims of size {size}"
@@ -194,6 +203,8 @@ def from_device(
     dev = [int(s) for s in device_size]
     strides = [int(s) for s in stride_map]
     what = f"device_size={dev}, stride_map={strides} ({dtype})"
+    if _stick_pads_a_one(dev, strides):
+        strides[-1] = -1
     if len(dev) != len(strides) or len(dev) < 2:
         raise ValueError(f"{what}: need one stride per device dim, and at least 2 dims")
     if dev[-1] != stick_elems(dtype):
@@ -217,6 +228,15 @@ def from_device(
     return lay
 
 
+def _stick_pads_a_one(dev, strides) -> bool:
+    """True when the stick repeats another device dim's stride: it then pads a
+    trailing host dim of size 1 (one element per stick; a tensor is a view of
+    its size + [1]), whose stride IBM writes as any value."""
+    return strides[-1] != -1 and any(
+        s == strides[-1] for n, s in zip(dev[:-1], strides[:-1]) if n > 1
+    )
+
+
 def _norm(dev, strides) -> list[int]:
     """Strides that matter: a device dim of size 1 has none (IBM writes -1 for
     it, hf-adapters sometimes the stride it would have)."""
@@ -228,6 +248,9 @@ def _dim_map_for(dev, strides, host, what) -> list[int]:
     ones = [k for k, s in enumerate(host) if s == 1]
     dim_map = []
     for d, (size, s) in enumerate(zip(dev, strides)):
+        if s == 0 and d != len(dev) - 1:
+            dim_map.append(-1)  # a broadcast dim: the data repeated
+            continue
         if s == -1 or size == 1:
             if size == 1:
                 dim_map.append(-1)
@@ -255,6 +278,8 @@ def _infer_host(dev, strides, what) -> tuple[list[int], list[int]]:
         outer = [e for e in range(last) if strides[e] == strides[last] * dev[last] and dev[e] > 1]
         groups.append([outer[-1], last] if outer else [last])
     for d in range(n):
+        if strides[d] == 0:
+            continue  # a broadcast dim: the data repeated, no host dim
         if strides[d] != -1 and not any(d in g for g in groups):
             groups.append([d])
         elif strides[d] == -1 and dev[d] != 1 and d != last:
@@ -291,35 +316,89 @@ def same_device_layout(a: SpyreTensorLayout, b: SpyreTensorLayout) -> bool:
     )
 
 
-def fit(layout: SpyreTensorLayout, size: Sequence[int], dtype: torch.dtype) -> SpyreTensorLayout:
-    """``layout`` for a contiguous tensor of ``size`` and ``dtype``.
+def fit(
+    layout: SpyreTensorLayout,
+    size: Sequence[int],
+    dtype: torch.dtype,
+    strides: Sequence[int] | None = None,
+) -> SpyreTensorLayout:
+    """``layout`` for a tensor of ``size`` and ``dtype`` (the layout's
+    ``stride_map`` read against ``strides``, the source tensor's element
+    strides, when given: IBM's stride maps are strides of the host tensor as
+    it is in memory, e.g. a transposed one).
 
-    The storage keeps the layout's host shape when the tensor's own shape
-    cannot be laid out the same way (e.g. IBM's slot-major KV pages, whose
-    first device dim spans two host dims): any contiguous shape with as many
-    elements is a view of it.
+    In order: the layout of ``size`` itself (padding in any dim, stick dims
+    of size-1 dims); the layout's own host shape, when it has as many
+    elements (e.g. IBM's slot-major KV pages, whose first device dim spans
+    two host dims: the tensor is a view of it); the *folded* layout, where
+    the tensor's elements in order are packed into sticks across rows (e.g.
+    a [40, 60] fp16 tensor as device_size [38, 64], stride_map [64, 1]: 38
+    sticks where rows padded to whole sticks take 40).
     """
     size = [int(s) for s in size]
+    numel = math.prod(size)
     if get_device_dtype(dtype) != layout.device_dtype:
         raise ValueError(
             f"device_layout {layout} stores {layout.device_dtype}, but the tensor is {dtype} "
             f"({get_device_dtype(dtype)}): build the layout for {dtype}"
         )
-    if math.prod(size) != layout.numel:
-        raise ValueError(
-            f"device_layout {layout} lays out {layout.numel} elements (host size "
-            f"{list(layout.host_size)}), but the tensor of size {size} has {math.prod(size)}"
-        )
-    try:
-        return from_device(layout.device_size, layout.stride_map, dtype, size)
-    except ValueError:
+    dev, smap = list(layout.device_size), list(layout.stride_map)
+    if strides is not None and [int(s) for s in strides] != _contiguous_strides(size):
+        smap = _logical_strides(dev, smap, size, [int(s) for s in strides])
+    if smap is not None:
+        with contextlib.suppress(ValueError):
+            return from_device(dev, smap, dtype, size)
+        if _stick_pads_a_one(dev, smap):
+            with contextlib.suppress(ValueError):
+                return from_device(dev, smap, dtype, size + [1])
+    if layout.numel == numel and smap == list(layout.stride_map):
         return layout
+    if smap is not None and len(size) != 1:
+        with contextlib.suppress(ValueError):
+            return from_device(dev, smap, dtype, [numel])  # folded
+    if layout.numel > numel and smap == list(layout.stride_map):
+        # a tiled host shape with padding blocks (e.g. [40, 60] as 2 blocks of
+        # 24 rows): the tensor is the first ``numel`` elements of it, in order
+        return layout
+    raise ValueError(
+        f"device_layout {layout} lays out {layout.numel} elements (host size "
+        f"{list(layout.host_size)}), but the tensor of size {size} has {numel}, and its "
+        f"elements in order (folded) do not fit it either"
+    )
+
+
+def _logical_strides(dev, smap, size, strides) -> list[int] | None:
+    """``smap`` (strides of a tensor of ``size`` with element ``strides``) as
+    strides of the contiguous tensor of ``size``; None when a device dim
+    steps through no single host dim."""
+    contiguous = _contiguous_strides(size)
+    out = []
+    for n, s in zip(dev, smap):
+        if n == 1 or s == -1:
+            out.append(-1)
+            continue
+        ks = [
+            k
+            for k in range(len(size))
+            if size[k] > 1 and strides[k] > 0 and s % strides[k] == 0 and s >= strides[k]
+        ]
+        ks = [k for k in ks if s // strides[k] < size[k]] or ks[-1:]
+        if len(ks) != 1:
+            return None
+        out.append(contiguous[ks[0]] * (s // strides[ks[0]]))
+    return out
 
 
 def empty_in_layout(
-    size: Sequence[int], layout: SpyreTensorLayout, dtype: torch.dtype | None, device: Any
+    size: Sequence[int],
+    layout: SpyreTensorLayout,
+    dtype: torch.dtype | None,
+    device: Any,
+    strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """A new contiguous spyre tensor of ``size`` whose storage is in ``layout``."""
+    """A new contiguous spyre tensor of ``size`` whose storage is in ``layout``
+    (``strides``: of the tensor whose memory ``layout``'s stride_map describes,
+    when not contiguous; see ``fit``)."""
     from torch_spyre import _C
 
     if not isinstance(layout, SpyreTensorLayout):
@@ -328,7 +407,7 @@ def empty_in_layout(
         )
     dtype = dtype or layout.dtype
     device = _spyre_target(device)
-    lay = fit(layout, size, dtype)
+    lay = fit(layout, size, dtype, strides)
     index = device.index if device.index is not None else _C._get_device()
     return _C._empty_in_layout(
         [int(s) for s in size],
@@ -360,9 +439,35 @@ _orig_to = torch.Tensor.to
 _orig_factories: dict[str, Any] = {}
 
 
+def _dtype_named(arg: Any) -> Any:
+    """IBM's ``Tensor.to`` takes a dtype by name ("torch.float32", as their
+    model-op YAML records it); anything else is passed on."""
+    if isinstance(arg, str) and arg.startswith("torch."):
+        dtype = getattr(torch, arg.removeprefix("torch."), None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return arg
+
+
+@contextlib.contextmanager
+def _dtype_error_as_ibm() -> Iterator[None]:
+    """The C++ dtype check raises a TypeError, IBM's runtime a RuntimeError:
+    ours (``layout.UnsupportedDtypeError``) is both."""
+    try:
+        yield
+    except TypeError as err:
+        if type(err) is TypeError and str(err).startswith("spyre does not store"):
+            raise UnsupportedDtypeError(str(err)) from None
+        raise
+
+
 def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = None, **kwargs):
+    args = tuple(_dtype_named(a) for a in args)
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _dtype_named(kwargs["dtype"])
     if device_layout is None:
-        return _orig_to(self, *args, **kwargs)
+        with _dtype_error_as_ibm():
+            return _orig_to(self, *args, **kwargs)
     if not isinstance(device_layout, SpyreTensorLayout):
         raise TypeError(
             f"device_layout must be a torch.spyre.SpyreTensorLayout, got "
@@ -381,7 +486,8 @@ def _to(self: torch.Tensor, *args, device_layout: SpyreTensorLayout | None = Non
         and same_device_layout(self.device_tensor_layout(), fit(device_layout, self.shape, dtype))
     ):
         return self
-    out = empty_in_layout(self.shape, device_layout, dtype, device)
+    strides = None if self.is_contiguous() else self.stride()
+    out = empty_in_layout(self.shape, device_layout, dtype, device, strides)
     out.copy_(self)
     return out
 
@@ -402,14 +508,28 @@ def _factory(name: str, fill_arg: bool):
 
     @functools.wraps(orig)
     def factory(*args, device_layout: SpyreTensorLayout | None = None, **kwargs):
+        if args and "size" in kwargs:  # IBM's (PyTorch's parser's) wording
+            raise TypeError(
+                f"{name}() received an invalid combination of arguments: a positional "
+                f"size and size= (give one)"
+            )
         if device_layout is None:
-            return orig(*args, **kwargs)
+            with _dtype_error_as_ibm():
+                return orig(*args, **kwargs)
         args = list(args)
         fill = (
             (kwargs.pop("fill_value") if "fill_value" in kwargs else args.pop()) if fill_arg else 0
         )
         requires_grad = kwargs.pop("requires_grad", False)
         dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
+        fmt = kwargs.get("memory_format")
+        if fmt is not None and fmt not in (torch.contiguous_format, torch.preserve_format):
+            # a device layout fixes where every element goes: the host strides
+            # are the contiguous ones (without device_layout= we take any format)
+            raise RuntimeError(
+                f"Spyre backend only supports contiguous memory format with device_layout= "
+                f"(got {fmt}); drop device_layout= for a {fmt} tensor in the default layout"
+            )
         for ignored in ("layout", "pin_memory", "memory_format", "out"):
             value = kwargs.pop(ignored, None)
             if ignored == "out" and value is not None:
@@ -447,13 +567,29 @@ def _install_device_layout() -> None:
     _device_constructors()
     _to.__wrapped_by_spyre__ = True  # type: ignore[attr-defined]
     functools.update_wrapper(_to, _orig_to, assigned=("__doc__", "__name__", "__qualname__"))
+    _to.__signature__ = _signature(method=True)  # type: ignore[attr-defined]
     torch.Tensor.to = _to  # type: ignore[method-assign]
     for name, fill in _FACTORIES.items():
         _patched[name] = _factory(name, fill)
+        _patched[name].__signature__ = _signature(method=False)
         setattr(torch, name, _patched[name])
     _orig_factories["ones"] = torch.ones
     functools.update_wrapper(_ones, torch.ones)
+    _ones.__signature__ = _signature(method=False)  # type: ignore[attr-defined]
     torch.ones = _ones  # type: ignore[assignment]
+
+
+def _signature(method: bool) -> inspect.Signature:
+    """What inspect reports for the patched functions (the wrapped builtins
+    have none): the device_layout= keyword, the rest as PyTorch parses it."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_ONLY)] if method else []
+    params += [
+        P("args", P.VAR_POSITIONAL),
+        P("device_layout", P.KEYWORD_ONLY, default=None),
+        P("kwargs", P.VAR_KEYWORD),
+    ]
+    return inspect.Signature(params)
 
 
 # ------------------------------------------------------------- torch.spyre
@@ -620,6 +756,289 @@ def _install_fp8_ops() -> None:
     _ibm_lib.append(lib)
 
 
+# ------------------------------------------------- device state, streams
+class _Members(enum.IntEnum):
+    """An int enum that prints as pybind11's do (``SpyreDeviceState.Ok``)."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class SpyreDeviceState(_Members):
+    """IBM's device state (``_C.SpyreDeviceState``), read from the card."""
+
+    Ok = 0
+    NotInitialized = 1
+    StreamError = 2
+
+
+class SpyreStreamError(_Members):
+    """IBM's stream error codes (``_C.SpyreStreamError``)."""
+
+    Success = 0
+    Shutdown = 1
+
+
+class ElementArrangement(_Members):
+    """IBM's element arrangements; we store every dtype STANDARD (our own
+    formats: DL16, fp8 with scales, are chosen by the dtype, not the layout)."""
+
+    STANDARD = 0
+    DL16_TO_FP32 = 1
+    QFP8CH = 2
+    EXX2 = 3
+    FP32_TO_DL16 = 4
+    QFP8WT = 5
+
+
+def get_device_state() -> SpyreDeviceState:
+    """``StreamError`` while any card's stream is in error (a kernel failed on
+    the card; ``torch.spyre.reset_device_state()`` clears it), else ``Ok``.
+    Our cards start with the process, so never ``NotInitialized``."""
+    from torch_spyre.runtime import cards
+
+    if any(cards.stream_error(i) for i in range(cards.num_cards())):
+        return SpyreDeviceState.StreamError
+    return SpyreDeviceState.Ok
+
+
+def stream_get_error(stream: Any) -> SpyreStreamError:
+    """``Shutdown`` when the stream's card is in a stream error."""
+    from torch_spyre.runtime import cards
+
+    dev = stream.device() if callable(getattr(stream, "device", None)) else stream.device
+    index = dev.index if isinstance(dev, torch.device) and dev.index is not None else 0
+    return SpyreStreamError.Shutdown if cards.stream_error(index) else SpyreStreamError.Success
+
+
+def stream_get_error_string(error: SpyreStreamError) -> str:
+    return SpyreStreamError(int(error)).name
+
+
+class _SpyreStreamBase:
+    """IBM's stream handle (``id()``, ``device()``, ... as methods) over a torch.Stream."""
+
+    def __init__(self, stream: torch.Stream) -> None:
+        self._stream = stream
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def query(self) -> bool:
+        return self._stream.query()
+
+    def device(self) -> torch.device:
+        return self._stream.device
+
+    def id(self) -> int:
+        return self._stream.stream_id
+
+    def priority(self) -> int:
+        return self._stream.priority
+
+    def __repr__(self) -> str:
+        return f"<torch_spyre._C._SpyreStreamBase id={self.id()} device={self.device()}>"
+
+
+#: IBM's host-compute streams (for host work beside the card's): a pool per
+#: card, handed out round-robin
+HOST_COMPUTE_STREAMS = 4
+_host_streams: dict[int, list[torch.Stream]] = {}
+_host_next: dict[int, int] = {}
+
+
+def _device_index(device: Any) -> int:
+    from torch_spyre import _C
+
+    device = torch.device(device) if device is not None else torch.device("spyre")
+    return device.index if device.index is not None else _C._get_device()
+
+
+def _host_pool(index: int) -> list[torch.Stream]:
+    pool = _host_streams.get(index)
+    if pool is None:
+        dev = torch.device("spyre", index)
+        pool = _host_streams[index] = [torch.Stream(dev) for _ in range(HOST_COMPUTE_STREAMS)]
+    return pool
+
+
+def host_compute_stream(device: Any = None) -> _SpyreStreamBase:
+    index = _device_index(device)
+    pool = _host_pool(index)
+    i = _host_next.get(index, 0)
+    _host_next[index] = (i + 1) % len(pool)
+    return _SpyreStreamBase(pool[i])
+
+
+def host_compute_stream_by_id(stream_id: int, device: Any = None) -> _SpyreStreamBase:
+    for s in _host_pool(_device_index(device)):
+        if s.stream_id == stream_id:
+            return _SpyreStreamBase(s)
+    raise ValueError(f"no host compute stream with id {stream_id}")
+
+
+def _stream_fns() -> dict[str, Any]:
+    def current_stream(device: Any = None) -> _SpyreStreamBase:
+        return _SpyreStreamBase(torch.spyre.current_stream(device))
+
+    def default_stream(device: Any = None) -> _SpyreStreamBase:
+        return _SpyreStreamBase(torch.spyre.default_stream(device))
+
+    def get_stream_from_pool(device: Any = None, priority: int = 0) -> _SpyreStreamBase:
+        return _SpyreStreamBase(
+            torch.Stream(torch.device("spyre", _device_index(device)), priority=priority)
+        )
+
+    def set_current_stream(stream: Any) -> None:
+        torch.spyre.set_stream(getattr(stream, "_stream", stream))
+
+    def synchronize(device: Any = None) -> None:
+        torch.spyre.synchronize(device)
+
+    def _get_default_generator(device: int = 0) -> torch.Generator:
+        return torch.spyre.default_generators[int(device)]
+
+    def get_spyre_tensor_layout(t: torch.Tensor) -> SpyreTensorLayout:
+        return t.device_tensor_layout()
+
+    def to_with_layout(t: torch.Tensor, layout: SpyreTensorLayout) -> torch.Tensor:
+        return t.to(t.device if t.device.type == "spyre" else "spyre", device_layout=layout)
+
+    def empty_with_layout(size, layout, dtype=None, device=None, pin_memory=None, fmt=None):
+        if fmt not in (None, torch.contiguous_format, torch.preserve_format):
+            raise RuntimeError(
+                f"Spyre backend only supports contiguous memory format with a layout (got {fmt})"
+            )
+        return empty_in_layout(size, layout, dtype, device)
+
+    def spyre_empty_with_layout(size, stride, dtype, layout) -> torch.Tensor:
+        if [int(s) for s in stride] != _contiguous_strides(size):
+            raise RuntimeError(
+                f"spyre_empty_with_layout: strides {list(stride)} are not the contiguous "
+                f"ones of size {list(size)}"
+            )
+        return empty_in_layout(size, layout, dtype, None)
+
+    return {
+        "get_spyre_tensor_layout": get_spyre_tensor_layout,
+        "to_with_layout": to_with_layout,
+        "empty_with_layout": empty_with_layout,
+        "spyre_empty_with_layout": spyre_empty_with_layout,
+        "current_stream": current_stream,
+        "default_stream": default_stream,
+        "get_stream_from_pool": get_stream_from_pool,
+        "set_current_stream": set_current_stream,
+        "synchronize": synchronize,
+        "_get_default_generator": _get_default_generator,
+        "start_runtime": lambda: None,  # our cards start with the process
+    }
+
+
+# ------------------------------------------------ model_utils (IBM's loader)
+def dma_dim_order_swapped(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 2-D weight on the card with its sticks along dim 0 (IBM's
+    ``_dma_to_spyre_dim_order_swapped``: dim_order [1, 0])."""
+    assert w.dim() == 2, f"expected a 2-D weight, got size {list(w.shape)}"
+    dtype = dtype or w.dtype
+    lay = SpyreTensorLayout(list(w.shape), _contiguous_strides(w.shape), dtype, [1, 0])
+    return w.to(dtype).to("spyre", device_layout=lay)
+
+
+def dma_indirect_access(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """A 2-D embedding table on the card as [rows, D // stick, stick], the
+    row (vocab) dim outermost, so a gather reads whole rows (IBM's
+    ``_dma_to_spyre_indirect_access``); None, with a warning, when D is not a
+    whole number of sticks (the caller then uses the default layout)."""
+    assert w.dim() == 2, f"expected a 2-D table, got size {list(w.shape)}"
+    dtype = dtype or w.dtype
+    rows, d = w.shape
+    se = stick_elems(dtype)
+    if d % se:
+        warnings.warn(
+            f"embedding of width {d} is not a whole number of {se}-element sticks: "
+            f"it keeps the default layout",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    lay = SpyreTensorLayout(
+        device_size=[rows, d // se, se], stride_map=[d, se, 1], device_dtype=get_device_dtype(dtype)
+    )
+    return w.to(dtype).to("spyre", device_layout=lay)
+
+
+def _apply_overridden(module: torch.nn.Module) -> bool:
+    return "_apply" in vars(module) or type(module)._apply is not torch.nn.Module._apply
+
+
+def load_model_to_spyre(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """IBM's ``torch_spyre.model_utils.load_model_to_spyre``: every parameter
+    and buffer to the card (floating ones as ``dtype`` when given), Linear
+    weights with their sticks along dim 0, embedding tables rows-outermost.
+    A module that overrides ``_apply`` governs its own subtree (as
+    ``nn.Module.to``); tensors already on the card stay."""
+    if dtype is not None:
+        try:
+            check_dtype(dtype)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+
+    def convert(t: torch.Tensor, kind: str = "") -> torch.Tensor:
+        if t.device.type == "spyre":
+            return t
+        want = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        if kind == "linear" and t.dim() == 2:
+            return dma_dim_order_swapped(t.detach(), want)
+        if kind == "embedding" and t.dim() == 2:
+            out = dma_indirect_access(t.detach(), want)
+            if out is not None:
+                return out
+        return t.detach().to("spyre", dtype=want)
+
+    def visit(module: torch.nn.Module) -> None:
+        if _apply_overridden(module):
+            module._apply(convert)
+            return
+        kind = (
+            "linear"
+            if isinstance(module, torch.nn.Linear)
+            else "embedding"
+            if isinstance(module, torch.nn.Embedding)
+            else ""
+        )
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type != "spyre":
+                new = convert(p, kind if name == "weight" else "")
+                module._parameters[name] = torch.nn.Parameter(new, p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = convert(b)
+        for child in module.children():
+            visit(child)
+
+    with torch.no_grad():
+        visit(model)
+    return model
+
+
+def patch_module_to_for_spyre() -> None:
+    """``nn.Module.to("spyre", ...)`` loads through ``load_model_to_spyre``
+    (idempotent)."""
+    if getattr(torch.nn.Module.to, "_spyre_patched", False):
+        return
+    original = torch.nn.Module.to
+
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and torch.device(device).type == "spyre":
+            return load_model_to_spyre(self, dtype)
+        return original(self, *args, **kwargs)
+
+    to._spyre_patched = True  # type: ignore[attr-defined]
+    torch.nn.Module.to = to  # type: ignore[method-assign]
+
+
 # ----------------------------------------------------------------- install
 def install() -> None:
     """Put IBM's names in place (idempotent)."""
@@ -633,6 +1052,18 @@ def install() -> None:
         ("DataFormats", DataFormats),
         ("get_device_dtype", get_device_dtype),
         ("get_elem_in_stick", get_elem_in_stick),
+        ("get_downcast_warning", get_downcast_warning),
+        ("set_downcast_warning", set_downcast_warning),
+        ("SpyreDeviceState", SpyreDeviceState),
+        ("SpyreStreamError", SpyreStreamError),
+        ("ElementArrangement", ElementArrangement),
+        ("get_device_state", get_device_state),
+        ("stream_get_error", stream_get_error),
+        ("stream_get_error_string", stream_get_error_string),
+        ("_SpyreStreamBase", _SpyreStreamBase),
+        ("host_compute_stream", host_compute_stream),
+        ("host_compute_stream_by_id", host_compute_stream_by_id),
+        *_stream_fns().items(),
     ):
         setattr(_C, name, value)
     spyre = torch.spyre
@@ -647,9 +1078,14 @@ def install() -> None:
         ("set_downcast_warning", set_downcast_warning),
         ("memory", memory),
         ("reset_accumulated_memory_stats", memory.reset_accumulated_memory_stats),
+        # IBM's allocator hooks, as torch.spyre._spyre_* (their tests call them)
+        ("_spyre_get_allocator_stats", memory.memory_stats),
+        ("_spyre_reset_accumulated_stats", memory.reset_accumulated_memory_stats),
+        ("_spyre_reset_peak_stats", memory.reset_peak_memory_stats),
     ):
         setattr(spyre, name, value)
     _install_device_layout()
+    torch.Tensor._spyre_tensor_patched = True  # IBM's marker of the patches above
     _install_fp8_ops()
     # IBM's runtime exports the number of visible cards; IBM's clients read it
     # (without importing torch_spyre) to decide whether a card is there.

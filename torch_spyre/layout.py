@@ -68,8 +68,9 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
-class UnsupportedDtypeError(TypeError):
-    pass
+class UnsupportedDtypeError(TypeError, RuntimeError):
+    """A dtype spyre does not store: a TypeError (a wrong argument), and a
+    RuntimeError as IBM's runtime raises for one (their tests catch that)."""
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -215,9 +216,14 @@ class SpyreTensorLayout:
     def stride_map(self) -> tuple[int, ...]:
         """Host-element stride of each device dim; -1 where it indexes nothing
         (a synthetic dim, or a host dim of size 1), as in IBM's stack."""
+        last = len(self.device_size) - 1
         return tuple(
-            -1 if k < 0 or self.host_size[k] == 1 else self.host_strides[k] * u
-            for k, u in zip(self.dim_map, self.units)
+            (0 if n > 1 and d < last else -1)  # a synthetic dim > 1 repeats the data
+            if k < 0
+            else -1
+            if self.host_size[k] == 1
+            else self.host_strides[k] * u
+            for d, (k, u, n) in enumerate(zip(self.dim_map, self.units, self.device_size))
         )
 
     def elems_per_stick(self) -> int:
@@ -288,6 +294,13 @@ class SpyreTensorLayout:
         return tuple(padded), tuple(split_sizes), perm, synthetic
 
     @cached_property
+    def _repeats(self) -> bool:
+        """True when a synthetic device dim of size > 1 repeats the data (IBM's
+        stride 0): writes fill every copy, reads take the first."""
+        dims = zip(self.dim_map[:-1], self.device_size[:-1])  # (a scalar's stick is its own)
+        return any(k < 0 and n > 1 for k, n in dims)
+
+    @cached_property
     def _scalar_as_vector(self) -> SpyreTensorLayout | None:
         # a scalar is stored exactly like a 1-element vector
         return _default_layout((1,), self.dtype) if not self.host_size else None
@@ -344,8 +357,10 @@ class SpyreTensorLayout:
             out = torch.zeros(padded, dtype=self.dtype, device=host.device)
             out[tuple(slice(0, h) for h in self.host_size)] = x
             x = out
-        x = x.reshape(split_sizes + (1,) * len(synthetic))
-        return x.permute(perm).contiguous()
+        x = x.reshape(split_sizes + (1,) * len(synthetic)).permute(perm)
+        if self._repeats:
+            x = x.expand(self.device_size)  # every copy of the data
+        return x.contiguous()
 
     def store(self, device: torch.Tensor, host: torch.Tensor) -> None:
         """Write host values (``host_size``, any dtype: cast) into row-major device
@@ -373,6 +388,8 @@ class SpyreTensorLayout:
             return self._scalar_as_vector.to_host(device, dtype).reshape(())
         padded, split_sizes, _, synthetic = self._plan
         x = device.reshape(self.device_size).permute(self._inverse_perm)
+        if self._repeats:  # the first copy of the data
+            x = x[(slice(None),) * len(split_sizes) + (slice(0, 1),) * len(synthetic)]
         if self.dl16:  # the bits in host order, then their values
             bits = torch.empty(x.shape, dtype=self.dtype)
             if fast_copy is None or not fast_copy(x, bits):

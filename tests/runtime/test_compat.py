@@ -55,8 +55,8 @@ def test_ibm_constructor_forms_and_repr():
 
 
 def test_bad_ibm_layouts_are_clear_errors():
-    with pytest.raises(NotImplementedError, match="sparse"):
-        SpyreTensorLayout([4, 64], [64, 1], F16, [0, 1, -1])
+    with pytest.raises(ValueError, match="only the last entry may be -1"):
+        SpyreTensorLayout([4, 64], [64, 1], F16, [0, -1, -1])
     with pytest.raises(ValueError, match="permutation"):
         SpyreTensorLayout([4, 64], [64, 1], F16, [0, 0])
     with pytest.raises(ValueError, match="one stick of 64"):
@@ -120,7 +120,9 @@ def test_hf_adapters_cache_position_first_layout():
 def test_device_layout_misuse_is_a_clear_error():
     lay = SpyreTensorLayout([4, 64], F16)
     with pytest.raises(ValueError, match="lays out 256 elements"):
-        torch.empty(4, 32, dtype=F16, device_layout=lay)
+        torch.empty(8, 64, dtype=F16, device_layout=lay)  # more elements than it holds
+    # (fewer fit: [4, 32] folds into its first two sticks, as IBM's folded layouts)
+    assert torch.equal(torch.ones(4, 32, dtype=F16, device_layout=lay).cpu(), torch.ones(4, 32))
     with pytest.raises(ValueError, match="build the layout for torch.float32"):
         torch.randn(4, 64).to("spyre", device_layout=lay)
     # as on IBM's stack, a device layout puts the tensor on spyre, with a warning here
@@ -243,3 +245,12 @@ def test_eager_kernels_relay_a_device_layout_operand():
     torch.testing.assert_close(
         pages.sum(-1).cpu().float(), host.float().sum(-1), atol=0.1, rtol=0.01
     )
+
+
+def test_to_takes_a_dtype_by_name_as_ibms():
+    # IBM's model-op YAML records dtypes as strings ("torch.float32")
+    assert torch.ones(2).to("torch.float16").dtype == F16
+    assert torch.ones(2).to("spyre", "torch.bfloat16").dtype == torch.bfloat16
+    assert torch.ones(2).to(dtype="torch.int32").dtype == torch.int32
+    with pytest.raises(RuntimeError):
+        torch.ones(2).to("torch.nosuchdtype")

@@ -207,11 +207,42 @@ def write_elements(
 
 
 def device_nbytes(t: torch.Tensor) -> int:
-    """Bytes a copy of ``t`` moves: whole sticks of device memory."""
+    """Bytes a copy of ``t`` moves: whole sticks of device memory (all of its
+    storage's sticks, padding included, when ``t`` is all of its storage in
+    another shape: a folded or sparse-stick layout)."""
     layout = storage_layout(t)
-    if _covers_base(t, layout):
+    if _covers_base(t, layout) or _whole_storage_view(t, layout):
         return layout.nbytes
     return math.ceil(t.numel() * t.element_size() / 128) * 128
+
+
+def _whole_storage_view(t: torch.Tensor, layout: SpyreTensorLayout) -> bool:
+    return (
+        t.dtype == layout.dtype
+        and t.numel() == layout.numel
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+    )
+
+
+def fold_segments(t: torch.Tensor) -> int:
+    """Extra host segments a copy of ``t`` gathers its sticks from: when ``t``
+    (all of its storage) is stored folded, its elements in order packed into
+    sticks across rows, each row that crosses a stick boundary is one more
+    piece (0 for a layout whose sticks each hold one row's elements)."""
+    layout = storage_layout(t)
+    if (
+        t.dim() < 2
+        or len(layout.host_size) != 1
+        or tuple(t.shape) == layout.host_size
+        or not _whole_storage_view(t, layout)
+    ):
+        return 0
+    row, se = t.shape[-1], layout.stick_elems
+    if row == 0 or row % se == 0:
+        return 0
+    start = torch.arange(t.numel() // row, dtype=torch.int64) * row
+    return int(((start // se) != ((start + row - 1) // se)).sum())
 
 
 def is_whole_linear(t: torch.Tensor) -> bool:

@@ -53,7 +53,9 @@ def warm_path(on: bool | None = None) -> bool:
 def _update_warm_path(*_: object) -> None:
     # the warm path emits no trace records and always executes: it stands
     # aside while anyone listens and in timing-only runs
+    # (nor while a card's stream is in error: it would not refuse the launch)
     on = settings.get().warm_path and not timing_only_active() and not trace.listening()
+    on = on and not any(_card.stream_error(i) for i in range(_card.num_cards()))
     _C._warm_allow(on)
 
 
@@ -83,9 +85,10 @@ def config(index: int = 0) -> HardwareConfig:
     return card(index).config
 
 
-def record_transfer(index: int, kind: str, nbytes: int, label: str = "") -> None:
-    """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`."""
-    card(index).record_transfer(kind, nbytes, label)
+def record_transfer(index: int, kind: str, nbytes: int, label: str = "", segments: int = 0) -> None:
+    """Model a copy (h2d / d2h over PCIe, d2d in device memory) on card `index`
+    (``segments``: extra host pieces its sticks are gathered from)."""
+    card(index).record_transfer(kind, nbytes, label, segments)
 
 
 def record_collective(
@@ -97,3 +100,15 @@ def record_collective(
     before = c.clock_s
     c.record_collective(op, nbytes, time_s, start_s)
     return c.clock_s - before
+
+
+# ------------------------------------------------------------ stream errors
+def stream_error(index: int) -> str:
+    """What put card ``index``'s stream into error ("" when healthy)."""
+    return card(index).stream_error()
+
+
+def clear_stream_error(index: int | None = None) -> None:
+    """Reset card ``index`` (every card for None) out of its stream error."""
+    for i in range(num_cards()) if index is None else [index]:
+        card(i).clear_stream_error()

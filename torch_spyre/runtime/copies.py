@@ -31,7 +31,12 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
         if src.is_conj():
             values = values.conj_physical()
         if not _is_spyre(self) or self.device != src.device:
-            cards.record_transfer(src.device.index, "d2h", access.device_nbytes(src))
+            cards.record_transfer(
+                src.device.index,
+                "d2h",
+                access.device_nbytes(src),
+                segments=access.fold_segments(src),
+            )
     else:
         values = src.to("cpu")
     if _is_spyre(self):
@@ -39,9 +44,15 @@ def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
             values = values.resolve_conj().conj_physical()
         access.write(self, values)
         if _is_spyre(src) and src.device == self.device:
-            cards.record_transfer(self.device.index, "d2d", access.device_nbytes(self))
+            kind = "d2d"
         else:
-            cards.record_transfer(self.device.index, "h2d", access.device_nbytes(self))
+            kind = "h2d"
+        cards.record_transfer(
+            self.device.index,
+            kind,
+            access.device_nbytes(self),
+            segments=access.fold_segments(self),
+        )
     else:
         self.copy_(values)
     return self

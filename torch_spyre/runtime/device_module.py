@@ -41,7 +41,13 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    """Whether the cards have been used: a tensor allocated or a kernel or copy
+    run on one.  Importing torch_spyre sets the cards up (cheaply: there is no
+    driver to start), but, as torch.cuda's, this stays False until then."""
+    for i in range(cards.num_cards()):
+        if cards.memory_stats(i)["num_allocs"] or cards.card(i).clock_s:
+            return True
+    return False
 
 
 def _is_in_bad_fork() -> bool:
@@ -200,6 +206,21 @@ def get_rng_state_all() -> list[torch.Tensor]:
 def set_rng_state_all(states) -> None:
     for g, s in zip(default_generators, states):
         g.set_state(s)
+
+
+# ------------------------------------------------------------- card state
+def stream_error(device: DeviceLike = None) -> str:
+    """What put the card's stream into error ("" when it is healthy): a kernel
+    that failed while it ran on the card.  The card then refuses every launch
+    and transfer until ``reset_device_state``."""
+    return cards.stream_error(_checked(device))
+
+
+def reset_device_state(device: DeviceLike = None) -> None:
+    """Reset the card (every card when ``device`` is None) out of a stream
+    error; its memory and tensors are kept.  The equivalent of restarting
+    IBM's runtime after ``SpyreDeviceState.StreamError``."""
+    cards.clear_stream_error(None if device is None else _checked(device))
 
 
 # ------------------------------------------------------------------ streams

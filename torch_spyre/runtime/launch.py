@@ -18,7 +18,8 @@ from torch_spyre.ir import Program, ProgramError
 from torch_spyre.ir import vector_ops as sim_ops
 from torch_spyre.runtime import cards, operands
 from torch_spyre.sim import KernelReport, timing_only_active
-from torch_spyre.sim.executor import runner
+from torch_spyre.sim.card import StreamError
+from torch_spyre.sim.executor import IntegerRangeError, runner
 
 
 @dataclass
@@ -77,8 +78,17 @@ class Prepared:
         """Run on the operands' device memory ``buffers`` and account it."""
         if self.fast is None:
             return self.card.run(self.kernel.program, buffers, self.report)
+        self.card.check_stream()
         if not timing_only_active():
-            self.fast(buffers)
+            try:
+                self.fast(buffers)
+            except (ProgramError, IntegerRangeError):
+                raise
+            except Exception as err:
+                self.card.fail_stream(
+                    f"kernel {self.kernel.program.name!r} failed on the card: {err}"
+                )
+                raise StreamError(self.card.index, self.card.stream_error()) from err
         return self.card.account(self.report)
 
 

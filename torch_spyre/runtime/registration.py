@@ -64,9 +64,10 @@ def entry(fn):
 
 
 def _device_tensor_layout(self: torch.Tensor):
-    """The stick layout of the device storage behind this spyre tensor."""
+    """The stick layout of the device storage behind this spyre tensor (None
+    for a tensor on another device: it has no stick layout; as IBM's)."""
     from torch_spyre.runtime.access import storage_layout
 
     if self.device.type != "spyre":
-        raise RuntimeError(f"device_tensor_layout() needs a spyre tensor, got one on {self.device}")
+        return None
     return storage_layout(self)

@@ -19,9 +19,9 @@ import torch
 
 from torch_spyre import _card, settings
 from torch_spyre.hardware import HardwareConfig
-from torch_spyre.ir import GroupedProgram, Program
+from torch_spyre.ir import GroupedProgram, Program, ProgramError
 from torch_spyre.sim import trace
-from torch_spyre.sim.executor import runner
+from torch_spyre.sim.executor import IntegerRangeError, runner
 from torch_spyre.sim.grouped import estimate_grouped
 from torch_spyre.sim.timing import KernelReport, estimate
 
@@ -84,8 +84,8 @@ def _notify() -> None:
 
 
 def watch(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` whenever ``timing_only_active()`` or ``trace.listening()``
-    may have changed: a launch path that neither executes through the card nor
+    """Call ``fn()`` whenever ``timing_only_active()``, ``trace.listening()`` or a
+    card's stream error may have changed: a launch path that neither executes through the card nor
     emits records (the runtime's C++ warm path) must then stand aside."""
     _watchers.append(fn)
     trace.watch(fn)
@@ -98,6 +98,18 @@ _on_reset: list[Callable[[], None]] = []
 def on_reset(fn: Callable[[], None]) -> None:
     """Call ``fn()`` after ``reset_cards`` (caches of modelled times must go)."""
     _on_reset.append(fn)
+
+
+class StreamError(RuntimeError):
+    """The card's stream is in error: a launch failed on the card, and the card
+    refuses work until it is reset."""
+
+    def __init__(self, index: int, what: str) -> None:
+        super().__init__(
+            f"spyre:{index} is in a stream error ({what}); the card refuses work until "
+            "it is reset: torch.spyre.reset_device_state() (or restart the process)"
+        )
+        self.index = index
 
 
 class SimulatedCard:
@@ -114,6 +126,9 @@ class SimulatedCard:
         self.index = index
         self.config = config or HardwareConfig.from_env()
         self._clock = clock if clock is not None else _card.Clock()
+        #: one of the process's cards (its clock is the card module's): only
+        #: those hold a stream error (a card made for a study has none)
+        self._process_card = clock is not None and clock is _card.clock(index)
         # timing depends only on (program, config): cache it per program
         self._reports: dict[str, KernelReport] = {}
 
@@ -154,14 +169,50 @@ class SimulatedCard:
         (eager ops launch the same program many times; keying the card's own
         cache serialises the program on every launch).
         """
+        self.check_stream()
         rep = report or self.estimate(program)
         if buffers is not None and not _timing_only:
-            if isinstance(program, GroupedProgram):
-                for phase in program.phases:  # one launch, the phases in turn
-                    runner(phase)(buffers)
-            else:
-                runner(program)(buffers)
+            try:
+                if isinstance(program, GroupedProgram):
+                    for phase in program.phases:  # one launch, the phases in turn
+                        runner(phase)(buffers)
+                else:
+                    runner(program)(buffers)
+            except (ProgramError, IntegerRangeError):
+                raise  # refused before it ran: the binding, or an operand's range
+            except Exception as err:
+                self.fail_stream(f"kernel {program.name!r} failed on the card: {err}")
+                raise StreamError(self.index, self.stream_error()) from err
         return self.account(rep)
+
+    # ------------------------------------------------------- stream error
+    def stream_error(self) -> str:
+        """What put the card into its stream error ("" when it is healthy).
+
+        A launch that fails while it runs on the card (not one refused
+        before it ran: a bad binding, an operand out of range) leaves the
+        card's stream in error, as on IBM's runtime: every later launch and
+        transfer is refused until the card is reset (``clear_stream_error``;
+        ``torch.spyre.reset_device_state()``).  IBM's
+        ``torch_spyre._C.get_device_state()`` reads it."""
+        return _card.stream_error(self.index) if self._process_card else ""
+
+    def fail_stream(self, what: str) -> None:
+        if self._process_card:
+            _card.set_stream_error(self.index, what)
+            _notify()  # launch paths that bypass ``run`` must stand aside
+
+    def clear_stream_error(self) -> None:
+        if self._process_card:
+            _card.clear_stream_error(self.index)
+            _notify()
+
+    def check_stream(self) -> None:
+        """Raise ``StreamError`` when the card's stream is in error."""
+        if self._process_card:
+            what = _card.stream_error(self.index)
+            if what:
+                raise StreamError(self.index, what)
 
     def account(self, rep: KernelReport) -> KernelReport:
         """Advance the clock and the counters by one launch of ``rep``'s kernel
@@ -172,20 +223,31 @@ class SimulatedCard:
         return rep
 
     # ---------------------------------------------------------- transfers
-    def transfer_time(self, kind: str, nbytes: int) -> float:
+    def transfer_time(self, kind: str, nbytes: int, segments: int = 0) -> float:
+        """``segments``: extra host segments the DMA gathers sticks from, one
+        descriptor each (a folded layout packs host rows across sticks: a
+        stick that a row boundary breaks is assembled from two pieces)."""
         cfg = self.config
+        extra = segments * cfg.dma_setup_cycles / cfg.clock_hz
         if kind in ("h2d", "d2h"):
             # PCIe Gen5 x16, one direction: fixed latency + bytes at link rate
-            return cfg.pcie_latency_s + nbytes / cfg.pcie_bandwidth_Bps
+            return cfg.pcie_latency_s + nbytes / cfg.pcie_bandwidth_Bps + extra
         if kind == "d2d":
             # a DMA that reads and writes LPDDR5: both directions use its bandwidth
-            return cfg.dma_setup_cycles / cfg.clock_hz + 2 * nbytes / cfg.sustained_bandwidth_Bps
+            return (
+                cfg.dma_setup_cycles / cfg.clock_hz
+                + 2 * nbytes / cfg.sustained_bandwidth_Bps
+                + extra
+            )
         raise ValueError(f"transfer kind must be one of {TRANSFER_KINDS}, got {kind!r}")
 
-    def record_transfer(self, kind: str, nbytes: int, label: str = "") -> trace.TransferRecord:
+    def record_transfer(
+        self, kind: str, nbytes: int, label: str = "", segments: int = 0
+    ) -> trace.TransferRecord:
+        self.check_stream()
         if nbytes < 0:
             raise ValueError(f"transfer of {nbytes} bytes")
-        t = self.transfer_time(kind, int(nbytes))
+        t = self.transfer_time(kind, int(nbytes), int(segments))
         start = self._clock.account_transfer(TRANSFER_KINDS.index(kind), int(nbytes), t)
         rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t, label)
         trace.emit(rec)

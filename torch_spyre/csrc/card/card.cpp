@@ -161,6 +161,24 @@ std::string set_cards(int n, const std::vector<int64_t>& capacities) {
   return "";
 }
 
+static std::mutex g_fault_mutex;
+static std::string g_stream_error[kMaxCards];
+
+void set_stream_error(int card, const std::string& what) {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  if (g_stream_error[card].empty()) g_stream_error[card] = what.empty() ? "stream error" : what;
+}
+
+std::string stream_error(int card) {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  return g_stream_error[card];
+}
+
+void clear_stream_error(int card) {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  g_stream_error[card].clear();
+}
+
 std::string fmt_bytes(int64_t b) {
   char buf[64];
   double v = static_cast<double>(b);

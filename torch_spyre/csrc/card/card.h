@@ -51,6 +51,14 @@ void mem_stats(int card, MemStats* out);
 void reset_peak(int card);
 std::string fmt_bytes(int64_t b);
 
+// A card's stream error: set when a launch fails on the card (what IBM's
+// runtime calls a stream error, SpyreDeviceState::StreamError); the card
+// refuses work until it is reset (clear_stream_error: a device reset).
+// "" when the card is healthy.
+void set_stream_error(int card, const std::string& what);
+std::string stream_error(int card);
+void clear_stream_error(int card);
+
 // the loops the simulator computes with
 at::Tensor stick_gemm(const at::Tensor& a, const at::Tensor& w, int64_t k, int64_t chunk,
                       int64_t parts, bool simd);

@@ -85,6 +85,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     spyre_card::reset_peak(card);
   });
   m.def("block_of", &spyre_card::block_of);
+  // the card's stream error (IBM's SpyreDeviceState::StreamError): "" when healthy
+  m.def("set_stream_error", [](int card, const std::string& what) {
+    check_card(card);
+    spyre_card::set_stream_error(card, what);
+  });
+  m.def("stream_error", [](int card) {
+    check_card(card);
+    return spyre_card::stream_error(card);
+  });
+  m.def("clear_stream_error", [](int card) {
+    check_card(card);
+    spyre_card::clear_stream_error(card);
+  });
   m.def("stick_gemm", &spyre_card::stick_gemm, py::arg("a"), py::arg("w"), py::arg("k"),
         py::arg("chunk"), py::arg("parts"), py::arg("simd") = true);
   m.def("dl16_encode", &spyre_card::dl16_encode);
