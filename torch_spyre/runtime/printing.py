@@ -5,19 +5,13 @@ float64 on its own device, and copies to the CPU first only for a fixed list
 of device types (xla, lazy, ipu, mtia) with no hook for others.  spyre stores
 no float64, so without this wrapper ``print(t)`` would fail.  The wrapper
 formats a host copy of the values and leaves every suffix (device, dtype,
-grad_fn) to PyTorch, except that dtype comes before device, as IBM's
-torch-spyre prints it (their tests/test_spyre.py checks the string).
-tests/runtime/test_printing.py fails if it breaks.
+grad_fn) to PyTorch.  tests/runtime/test_printing.py fails if it breaks.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch._tensor_str as tensor_str
-
-_DEVICE_DTYPE = re.compile(r"(, device='spyre:\d+')(, dtype=torch\.\w+)")
 
 _original_str = tensor_str._str
 
@@ -35,10 +29,7 @@ def _str(self: torch.Tensor, *, tensor_contents: str | None = None) -> str:
             host = self.detach().to("cpu")
         if host.numel() > 0:
             tensor_contents = tensor_str._tensor_str(host, len("tensor("))
-    text = _original_str(self, tensor_contents=tensor_contents)
-    if self.device.type == "spyre":
-        text = _DEVICE_DTYPE.sub(r"\2\1", text, count=1)
-    return text
+    return _original_str(self, tensor_contents=tensor_contents)
 
 
 def install() -> None:
