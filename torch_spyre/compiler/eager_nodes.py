@@ -68,9 +68,42 @@ def origin_node(buf) -> torch.fx.Node | None:
         # several: the one downstream of all the others (their chains may
         # pass through nodes that are other buffers' values)
         last = [o for o in sinks if set(sinks) - {o} <= _ancestors(o)]
-        if len(last) == 1:
+        if len(last) == 1 and (_one_buffer(last[0]) or _sum_of_mean(buf, last[0])):
             node = last[0]
     return node
+
+
+def _sum_of_mean(buf, node: torch.fx.Node | None) -> bool:
+    """Whether ``buf`` is the sum Inductor's lowering of ``node`` (a mean)
+    realized, the division by the count left to its consumers."""
+    if node is None or node.target not in (torch.ops.aten.mean.dim, torch.ops.aten.mean.default):
+        return False
+    data = getattr(buf, "data", None)
+    return isinstance(data, ir.Reduction) and data.reduction_type == "sum"
+
+
+#: ops (besides those tagged pointwise) whose Inductor lowering is one buffer
+#: holding exactly the op's value: views and copies, gathers and scatters,
+#: factories and plain reductions
+_ONE_BUFFER = {
+    "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::expand", "aten::permute",
+    "aten::clone", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select",
+    "aten::index", "aten::index_put", "aten::index_put_", "aten::scatter", "aten::scatter_",
+    "aten::gather", "aten::full", "aten::constant_pad_nd", "aten::cat", "aten::where",
+    "aten::sum", "aten::amax", "aten::amin", "aten::prod", "prims::iota",
+    "prims::convert_element_type", "spyre::index_put_", "spyre::gather", "spyre::index",
+}  # fmt: skip
+
+
+def _one_buffer(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s lowering leaves its value in one buffer.  A guessed
+    root must: ``mean`` lowers to a sum (a buffer, the guess's shape and dtype)
+    divided in its consumers, so taking that buffer for the mean's value read a
+    sum as a mean (MiniMax in the architecture sweep: a silent wrong answer)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target._schema.name in _ONE_BUFFER
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
@@ -114,7 +147,7 @@ def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
         if name not in reads or name in removed:
             continue
         node = _value_of(origin_node(buf), buf)
-        if node is not None:
+        if node is not None and not _sum_of_mean(buf, node):
             out.setdefault(node, real.get(name, name))
     return out
 
@@ -209,6 +242,14 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             written = n.args[i]
             env[n] = g.node_copy(n, lambda a, t=target, w=written: t if a is w else env[a])
             result = target
+        elif n is root and _sum_of_mean(buf, n):
+            # the buffer is the mean's sum, in the buffer's dtype (fp32 for a
+            # 16-bit mean): the count divides in the consumers
+            x, dims = env[n.args[0]], (n.args[1] if len(n.args) > 1 else None)
+            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+            env[n] = g.call_function(
+                torch.ops.aten.sum.dim_IntList, (x, dims, keep), {"dtype": buf.get_dtype()}
+            )
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[root] if result is None else result)
