@@ -10,6 +10,8 @@ device memory and runs.
 
 from __future__ import annotations
 
+import collections
+
 import functools
 import math
 import operator
@@ -126,6 +128,17 @@ class SpyreCompileWarning(UserWarning):
 _warned: set[str] = set()
 
 
+#: degrade steps of the graphs loaded in this process, by kind
+_loaded: collections.Counter[str] = collections.Counter()
+
+
+def loaded_degrade_steps() -> dict[str, int]:
+    """Degrade steps (kind -> count) of every compiled graph this process has
+    loaded, fresh from the compiler or from Inductor's cache alike (the
+    compiler's own ``degrade.counts()`` sees fresh compiles only)."""
+    return dict(_loaded)
+
+
 def note_degraded(steps: list[tuple[str, str, str]]) -> None:
     """Called by a compiled graph's module when it loads (fresh from the
     compiler or from Inductor's cache) with the degrade steps its compile took
@@ -134,6 +147,7 @@ def note_degraded(steps: list[tuple[str, str, str]]) -> None:
     cached graph reports what a fresh compile would."""
     policy = settings.get().compile_fallback
     for kind, what, reason in steps:
+        _loaded[kind] += 1
         if kind == "split":
             continue
         message = f"spyre compiler: {what}: {reason}"

@@ -177,12 +177,12 @@ def run_path(ref_model, ref: Reference, ids, *, compile: bool) -> PathResult:
     """Prepare a copy for the card (eager or compiled), run it as the reference ran."""
     import torch_spyre
     from torch_spyre import models
-    from torch_spyre.compiler import degrade
+    from torch_spyre.runtime import compiled as compiled_graphs
 
     res = PathResult()
     t0 = time.perf_counter()
     torch_spyre.reset_fallback_counts()
-    before = degrade.counts()
+    before = compiled_graphs.loaded_degrade_steps()
     try:
         dev = models.prepare(copy.deepcopy(ref_model), compile=compile)
         if ref.mode == "decode":
@@ -197,7 +197,10 @@ def run_path(ref_model, ref: Reference, ids, *, compile: bool) -> PathResult:
         res.error = _short(e)
     res.fallback_ops = dict(torch_spyre.fallback_counts())
     res.host_fallbacks = sum(res.fallback_ops.values())
-    res.degraded = {k: v - before[k] for k, v in degrade.counts().items() if v - before[k]}
+    # the steps of the graphs this run loaded, compiled now or taken from
+    # Inductor's cache (a cached graph degrades as its compile did)
+    after = compiled_graphs.loaded_degrade_steps()
+    res.degraded = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
     res.wall_s = time.perf_counter() - t0
     return res
 
