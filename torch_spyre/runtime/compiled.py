@@ -11,7 +11,6 @@ device memory and runs.
 from __future__ import annotations
 
 import collections
-
 import functools
 import math
 import operator
