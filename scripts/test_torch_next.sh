@@ -11,7 +11,9 @@
 # * The checkout is copied to a directory of the venv and built there, so the
 #   in-place 2.13 build of the checkout is never touched; setup.py's build cache
 #   is keyed by the torch version, so 2.13 and 2.14 libraries never mix.
-# * The sample: every fast test (-m "not slow") plus a few slow ones.
+# * The sample: every fast test (-m "not slow") plus a few slow ones; not the
+#   tests that serve through vLLM (tests/vllm and the serve-plan CLI, which
+#   runs vLLM's engine), as vLLM 0.32.0 cannot be installed next to torch 2.14.
 # Usage: scripts/test_torch_next.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +78,8 @@ EOF
 echo "test_torch_next: torch $(python -c 'import torch; print(torch.__version__)'), sample from $src" >&2
 rc=0
 OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider -m "not slow" \
-  --ignore=tests/vllm "$@" tests || rc=$?
+  --ignore=tests/vllm --deselect tests/models/test_estimate_plan.py::test_serve_plan_cli \
+  "$@" tests || rc=$?
 OMP_NUM_THREADS=1 python -m pytest -q -p no:cacheprovider "${slow[@]}" "${extra_slow[@]}" || rc=$?
 echo "test_torch_next: $(($(date +%s) - start)) s in all (rc $rc)" >&2
 cd "$root"
