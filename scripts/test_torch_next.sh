@@ -48,7 +48,7 @@ if [ ! -f "$marker" ]; then
   sync_src
   (cd "$src" && PATH="$venv/bin:$PATH" TORCH_SPYRE_TORCH="torch==$version" \
     bash scripts/install.sh test,models)
-  "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')"
+  TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$venv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')"
   date -u +%FT%TZ >"$marker"
   echo "test_torch_next: installed in $(($(date +%s) - start)) s" >&2
 else
@@ -57,7 +57,9 @@ fi
 
 cd "$src"
 export PATH="$venv/bin:$PATH"
-python -c "import torch; assert torch.__version__.split('+')[0] == '$version', torch.__version__"
+# no autoload until the copy's C++ part is built (sync_src starts it afresh)
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 python -c \
+  "import torch; assert torch.__version__.split('+')[0] == '$version', torch.__version__"
 TORCH_DEVICE_BACKEND_AUTOLOAD=0 python setup.py -q build_ext --inplace >/dev/null
 python -c "from torch_spyre.models import offline; [offline.folder(n) for n in offline.OFFLINE_MODELS]"
 # a few slow tests: a real model eager and compiled, a compiled whole-model check
