@@ -33,8 +33,8 @@ SOURCES = {
 }
 HEADERS = sorted(str(p) for p in CSRC.rglob("*.h"))
 # No -std flag: torch.utils.cpp_extension adds the standard the torch being
-# built against needs (c++17 for older releases, c++20 for 2.13 and 2.14, whose
-# headers require it); a fixed flag here broke the build on 2.14.
+# built against needs (c++20 for both 2.13 and 2.14; 2.14's headers require it,
+# so the fixed -std=c++17 this file used to pass broke the build on 2.14).
 # tests/runtime/test_build_flags.py checks that none comes back.
 COMPILE_ARGS = ["-O2", "-Wno-unused-parameter"]
 
