@@ -1038,6 +1038,7 @@ def patch_module_to_for_spyre() -> None:
     to._spyre_patched = True  # type: ignore[attr-defined]
     torch.nn.Module.to = to  # type: ignore[method-assign]
 
+
 # ------------------------------------------------------------- safetensors
 # safetensors' Rust side parses the device string itself and accepts only
 # cpu, cuda, mps, npu, xpu, xla, mlu, musa, hpu and anon ints: neither "spyre"
