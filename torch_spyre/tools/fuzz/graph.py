@@ -134,7 +134,7 @@ class Graph:
 
     def source(self, name: str = "fn", hook: bool = False) -> str:
         """``def name(x0, x1, ...): ... return (...)``.  With ``hook``, every
-        computed value passes through ``_h(index, value)`` (the reference run)."""
+        op runs as ``_h(index, op, *operands)`` (the reference's noise model)."""
         from torch_spyre.tools.fuzz.ops import OPS
 
         ins = self.inputs()
@@ -142,9 +142,13 @@ class Graph:
         for i, n in enumerate(self.nodes):
             if n.op == "input":
                 continue
-            expr = OPS[n.op].code(self, n, [_var(a) for a in n.args])
             if hook:
-                expr = f"_h({i}, {expr})"
+                params = [f"_a{k}" for k in range(len(n.args))]
+                expr = OPS[n.op].code(self, n, params)
+                args = "".join(f", {_var(a)}" for a in n.args)
+                expr = f"_h({i}, lambda {', '.join(params)}: {expr}{args})"
+            else:
+                expr = OPS[n.op].code(self, n, [_var(a) for a in n.args])
             lines.append(f"    {_var(i)} = {expr}")
         outs = "".join(f"{_var(o)}, " for o in self.outputs)
         lines.append(f"    return ({outs})")

@@ -10,13 +10,14 @@ CADNA/Verrou):
 
 * the graph runs in float64 (``exact``; 16-bit casts become float64 too);
 * it runs again ``NOISE_RUNS`` times with every rounding an implementation
-  may make modelled as random noise: each float input and each computed
-  value is perturbed by up to one ulp of its dtype (float32: 2^-23 relative;
-  float16: 2^-10), a result accumulated over ``n`` terms (sums, means,
-  contractions, cumsums, softmax and norm rows) by ``sqrt(n)`` ulps of its
-  largest operand (the typical error of a sum in another order); ops that
-  move data or select (views, gathers, cat, pad, max, relu, where) round
-  nothing;
+  may make modelled as random noise: each op that rounds gets its operands
+  perturbed by up to one ulp of its dtype (float32: 2^-23 relative;
+  float16: 2^-10; its internal roundings: a norm's mean and variance, a
+  softmax's max and sum), and its result as well, a result accumulated over
+  ``n`` terms (sums, means, contractions, cumsums, softmax and norm rows) by
+  ``sqrt(n)`` ulps of its largest operand (the typical error of a sum in
+  another order); ops that move data or select (views, gathers, cat, pad,
+  max, relu, where) round nothing;
 * ``spread`` is the largest deviation of a noisy run from ``exact``, and
   ``err32`` that of the CPU float32 run;
 * ``atol = SAFETY * max(spread, err32) + ulp(max |exact|)`` and ``rtol = 0``.
@@ -113,44 +114,37 @@ def reference(graph: Graph, inputs: list[torch.Tensor], runs: int = NOISE_RUNS) 
         cpu = list(fn(*inputs))
     fn64, _, ns = build(graph, hook=True)
     ins64 = [_to64(t) for t in inputs]
-    ns["_h"] = lambda i, v: v
+    ns["_h"] = lambda i, f, *a: f(*a)
     with torch.no_grad():
         exact = [o.detach() for o in fn64(*ins64)]
     spread = [0.0] * len(exact)
     nodes = graph.nodes
     for r in range(runs):
         gen = torch.Generator().manual_seed(1000 + r)
-        values: dict[int, torch.Tensor] = {}
 
         def noise(v: torch.Tensor, rel: float, extra: float = 0.0, gen=gen) -> torch.Tensor:
+            if not v.is_floating_point():
+                return v
             u = torch.rand(v.shape, generator=gen, dtype=torch.float64) * 2 - 1
             return v + (v.abs() * rel + extra) * u
 
-        def hook(i, v, values=values, noise=noise):
+        def hook(i, f, *args, noise=noise):
             n = nodes[i]
-            if n.is_float and _rounds(n):
-                ulp = ULP[n.dtype]
-                extra = 0.0
-                if n.acc > 1:
-                    mag = max((_maxabs(values[a]) for a in n.args if a in values), default=0.0)
-                    extra = ulp * math.sqrt(n.acc) * mag
-                v = noise(v, ulp, extra)
-            values[i] = v
-            return v
+            if not (n.is_float and _rounds(n)):
+                return f(*args)
+            ulp = ULP[n.dtype]
+            # the op's own intermediate roundings (a norm's mean and variance,
+            # a softmax's max and sum) act like a perturbation of its operands
+            v = f(*(noise(a, ulp) for a in args))
+            extra = 0.0
+            if n.acc > 1:
+                mag = max((_maxabs(a) for a in args if a.is_floating_point()), default=0.0)
+                extra = ulp * math.sqrt(n.acc) * mag
+            return noise(v, ulp, extra)
 
-        noisy_in = []
-        for i, t in zip(graph.inputs(), ins64):
-            n = nodes[i]
-            if n.is_float:
-                # a view input keeps its view: perturb in place of a copy
-                t = t + t.abs() * ULP[n.dtype] * (
-                    torch.rand(t.shape, generator=gen, dtype=torch.float64) * 2 - 1
-                )
-            values[i] = t
-            noisy_in.append(t)
         ns["_h"] = hook
         with torch.no_grad():
-            outs = fn64(*noisy_in)
+            outs = fn64(*ins64)
         for k, (o, e) in enumerate(zip(outs, exact)):
             if o.is_floating_point():
                 spread[k] = max(spread[k], _maxabs(o - e))
