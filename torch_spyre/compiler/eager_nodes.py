@@ -189,6 +189,50 @@ def _mutates(node: torch.fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+_aten = torch.ops.aten
+#: FX ops whose value Inductor computes from a welford reduction's buffers
+_WELFORD_ORIGINS = (_aten.var_mean.correction, _aten.var.correction, _aten.std.correction)
+
+
+def _welford(buf):
+    """(the FX op whose welford reduction ``buf`` is, the output index: 0 the
+    mean, 1 the sum of squared deviations M2, 2 the count), or None.  No FX
+    node has these values: the variance is M2 / (n - correction), computed
+    in the buffer's readers."""
+    data = getattr(buf, "data", None)
+    if not isinstance(data, ir.WelfordReduction) or data.reduction_type != "welford_reduce":
+        return None
+    found = [
+        o for o in (buf.origins or ()) if o.op == "call_function" and o.target in _WELFORD_ORIGINS
+    ]
+    if len(found) != 1:
+        return None
+    return found[0], data.output_index
+
+
+def _welford_output(g: torch.fx.Graph, x: torch.fx.Node, fx_op, index: int, size) -> torch.fx.Node:
+    """FX nodes computing output ``index`` of the welford reduction of ``fx_op``
+    (whose input is ``x`` in ``g``), shaped as the buffer (``size``)."""
+    dims = fx_op.args[1] if len(fx_op.args) > 1 else fx_op.kwargs.get("dim")
+    if dims is None:
+        dims = list(range(len(fx_op.args[0].meta["val"].shape)))
+    dims = list(dims)
+    call = g.call_function
+    mean = call(_aten.mean.dim, (x, dims, True))
+    if index == 0:
+        out = mean
+    elif index == 1:
+        dev = call(_aten.sub.Tensor, (x, mean))
+        out = call(_aten.sum.dim_IntList, (call(_aten.mul.Tensor, (dev, dev)), dims, True))
+    else:
+        n = 1
+        shape = fx_op.args[0].meta["val"].shape
+        for d in dims:
+            n *= int(shape[d])
+        out = call(_aten.add.Tensor, (call(_aten.mul.Tensor, (mean, 0.0)), float(n)))
+    return call(_aten.reshape.default, (out, [int(s) for s in size]))
+
+
 def function_source(snode) -> tuple[str, str, list[str]]:
     """(name, Python source of a function computing ``snode``'s buffer with
     eager ops, the wrapper variables to call it with).  Unsupported when the
@@ -197,7 +241,12 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     buf = snode.node
     name = buf.get_name()
     root = origin_node(buf)
-    if root is None or root.op != "call_function":
+    welford = _welford(buf) if root is None else None
+    if welford is not None:
+        root = welford[0].args[0]  # the reduction's input: computed eagerly, then reduced
+        if not isinstance(root, torch.fx.Node):
+            raise Unsupported(f"spyre compiler: {name}: a welford reduction of a constant")
+    if root is None or root.op not in ("call_function", "placeholder", "get_attr"):
         raise Unsupported(f"spyre compiler: {name} has no FX node to run eagerly")
     reads = {d.name for d in snode.read_writes.reads}
     held = _realized(reads)
@@ -227,7 +276,11 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             visit(a)
         order.append(n)
 
-    visit(root)
+    if welford is not None and root in held:
+        seen.add(root)
+        inputs.append(root)
+    else:
+        visit(root)
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, n in enumerate(inputs):
@@ -252,7 +305,10 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             )
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
-    g.output(env[root] if result is None else result)
+    result = env[root] if result is None else result
+    if welford is not None:
+        result = _welford_output(g, result, *welford, buf.get_size())
+    g.output(result)
     code = g.python_code("self")
     unknown = set(code.globals) - set(GLOBALS) - {"torch", "fx_pytree", "pytree"}
     if unknown:

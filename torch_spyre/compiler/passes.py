@@ -12,6 +12,10 @@ the card: counted as ``kernel``, never a host fallback):
   indirect store, likewise run by the eager device kernel (a DMA program);
 * ``aten.gather`` (BERT's token-type ids read through the position ids): an
   index read from data, the eager device gather (a DMA program);
+* ``aten.scatter`` / ``scatter_add`` / ``scatter_reduce`` (an index written
+  from data): the eager device scatter (a DMA program);
+* ``aten.constant_pad_nd`` of an outer dim: the eager device pad (a DMA
+  program; a pad of the last dim alone is a lane placement, below);
 * ``aten.roll`` and ``aten.index`` with integer indices that are not an
   affine function of iotas (a full sliding-window cache shifted each decode
   step: ``(i + 1) % n``; ``index_select``; a paged-KV page read by a device
@@ -76,6 +80,36 @@ def _(x, dim, index):
     return x.new_empty(index.shape)
 
 
+@torch.library.custom_op("spyre::scatter", mutates_args=())
+def scatter(
+    x: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    src: torch.Tensor | None,
+    value: float,
+    reduce: str,
+    include_self: bool,
+) -> torch.Tensor:
+    """``scatter`` / ``scatter_add`` / ``scatter_reduce`` (an index written from
+    data) by the device's eager kernels; ``src=None`` scatters ``value``."""
+    if src is None:
+        out = torch.ops.aten.scatter.value(x, dim, index, value)
+    elif reduce == "none":
+        out = torch.ops.aten.scatter.src(x, dim, index, src)
+    elif reduce == "add":
+        out = torch.ops.aten.scatter_add.default(x, dim, index, src)
+    else:
+        out = torch.ops.aten.scatter_reduce.two(
+            x, dim, index, src, reduce, include_self=include_self
+        )
+    return out.contiguous()
+
+
+@scatter.register_fake
+def _(x, dim, index, src, value, reduce, include_self):
+    return x.new_empty(x.shape)
+
+
 @torch.library.custom_op("spyre::cat", mutates_args=())
 def cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(pieces, dim)`` by the device's eager kernel (a DMA program):
@@ -90,6 +124,19 @@ def cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 @cat.register_fake
 def _(pieces, dim):
     return torch.cat([torch.empty_like(p) for p in pieces], dim)
+
+
+@torch.library.custom_op("spyre::pad", mutates_args=())
+def pad(x: torch.Tensor, pad: list[int], value: float) -> torch.Tensor:
+    """``F.pad(x, pad, value=value)`` by the device's eager kernel (a DMA
+    program): a pad of an outer dim, which Inductor writes as masked loads of
+    shifted rows (no program expresses them)."""
+    return torch.ops.aten.constant_pad_nd.default(x, pad, value)
+
+
+@pad.register_fake
+def _(x, pad, value):
+    return torch.ops.aten.constant_pad_nd.default(x, pad, value)
 
 
 @torch.library.custom_op("spyre::roll", mutates_args=())
@@ -162,10 +209,36 @@ _ROUTED = {
         (n.args[0], list(n.args[1]), list(n.args[2]) if len(n.args) > 2 else []),
     ),
     torch.ops.aten.index.Tensor: _route_index,
+    # reflection / replication pads decompose to an index by clamped iotas
+    torch.ops.aten._unsafe_index.Tensor: _route_index,
     # BERT-style token-type buffers: gather(buffer.expand(b, -1), 1, position_ids)
     torch.ops.aten.gather.default: lambda n: (
         torch.ops.spyre.gather.default,
         (n.args[0], n.args[1], n.args[2]),
+    ),
+    # an index written from data (scatter, scatter_add, scatter_reduce): Inductor
+    # lowers them to a copy and an indirect store, which no kernel program
+    # expresses (and the store, a mutation, has no FX node to run eagerly)
+    torch.ops.aten.scatter.src: lambda n: (
+        torch.ops.spyre.scatter.default,
+        (n.args[0], n.args[1], n.args[2], n.args[3], 0.0, "none", True),
+    ),
+    torch.ops.aten.scatter.value: lambda n: (
+        torch.ops.spyre.scatter.default,
+        (n.args[0], n.args[1], n.args[2], None, float(n.args[3]), "none", True),
+    ),
+    torch.ops.aten.scatter_add.default: lambda n: (
+        torch.ops.spyre.scatter.default,
+        (n.args[0], n.args[1], n.args[2], n.args[3], 0.0, "add", True),
+    ),
+    torch.ops.aten.scatter_reduce.two: lambda n: (
+        torch.ops.spyre.scatter.default,
+        (
+            *n.args[:4],
+            0.0,
+            n.args[4],
+            n.args[5] if len(n.args) > 5 else n.kwargs.get("include_self", True),
+        ),
     ),
     torch.ops.aten.embedding.default: lambda n: (
         torch.ops.spyre.embedding.default,
@@ -478,6 +551,30 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def _route_outer_pads(gm: torch.fx.GraphModule) -> bool:
+    """``constant_pad_nd`` of an outer dim: Inductor writes it as masked loads
+    of shifted rows, which no program expresses (and when a reduction's
+    lowering realizes it, a buffer with no FX node to run eagerly).  It is the
+    device's pad (``spyre::pad``, a DMA program), like a cat along an outer
+    dim; a pad of the last dim alone is a lane placement
+    (``_rewrite_stick_cats``)."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.constant_pad_nd.default:
+            continue
+        x, pad = node.args[0], list(node.args[1])
+        value = node.args[2] if len(node.args) > 2 else 0
+        if len(pad) <= 2 or not _on_spyre(node) or not isinstance(value, int | float):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.spyre.pad.default, (x, pad, float(value)))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
 def _fuse_attention_transpose(gm: torch.fx.GraphModule) -> bool:
     """``clone(permute(spyre.attention(...), [0, 2, 1, 3]))`` (the
     ``transpose(1, 2).contiguous()`` after SDPA) -> ``spyre::attention_bshd``:
@@ -554,6 +651,7 @@ def _dedupe_lookups(gm: torch.fx.GraphModule) -> bool:
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
         changed = _rewrite_lane_shuffles(gm)
+        changed = _route_outer_pads(gm) or changed
         changed = _rewrite_stick_cats(gm) or changed
         changed = fuse_swiglu(gm) or changed
         changed = fuse_swiglu_residual(gm) or changed

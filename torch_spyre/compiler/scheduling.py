@@ -19,11 +19,12 @@ from textwrap import dedent
 
 import sympy
 from torch._inductor import ir
-from torch._inductor.codegen.common import DeviceOpOverrides
-from torch._inductor.codegen.wrapper import PythonWrapperCodegen, WrapperLine
+from torch._inductor.codegen.common import BackendFeature, DeviceOpOverrides
+from torch._inductor.codegen.wrapper import FreeLine, PythonWrapperCodegen, WrapperLine
 from torch._inductor.scheduler import BaseSchedulerNode, BaseScheduling
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V
+from torch.utils._ordered_set import OrderedSet
 
 from torch_spyre import settings
 from torch_spyre.compiler import degrade, eager_nodes, graph_state, layouts, lowering
@@ -62,6 +63,15 @@ def debug_enabled() -> bool:
 
 
 class SpyreScheduling(BaseScheduling):
+    @classmethod
+    def get_backend_features(cls, device) -> OrderedSet[BackendFeature]:
+        # A reduction is never split in two kernels (Inductor's split reductions
+        # for few long rows, as for the C++ backend): the planner splits rows
+        # over cores and streams rows longer than the LX itself, and the first
+        # kernel of a split reads the rows through a view no program expresses
+        # (found by the fuzzer: mean over three dims of a transposed input)
+        return OrderedSet([BackendFeature.REDUCE_TO_SINGLE_ELEMENT])
+
     def group_fn(self, sizes):
         return tuple(V.graph.sizevars.simplify(sympy_product(s)) for s in sizes)
 
@@ -289,6 +299,18 @@ class SpyreScheduling(BaseScheduling):
                 f"kernel program ({eager.reason}) nor run it as eager kernels ({err}). Run "
                 "this op outside the compiled region, or file an issue with this message."
             ) from None
+        # The eager code may read a graph input the node does not read itself
+        # (a welford reduction's buffer holds M2, not the variance: the eager
+        # code recomputes the variance from the input).  Inductor freed that
+        # input after its last declared reader: keep it alive instead (its
+        # `del` line is dropped; the caller holds the input anyway).
+        inputs = {a for a in args if a in V.graph.graph_inputs}
+        if inputs:
+            wrapper.lines[:] = [
+                ln
+                for ln in wrapper.lines
+                if not (isinstance(ln, FreeLine) and ln.node.get_name() in inputs)
+            ]
         defined = graph_state.of(wrapper).defined
         if fname not in defined:
             defined.add(fname)

@@ -1,0 +1,164 @@
+"""Compiler bugs the fuzzer found (torch_spyre.tools.fuzz), each minimised and
+pinned here with its fix (docs/compiler.md, "The fuzzer").
+
+Each case is compiled on spyre and compared with the CPU; the ones whose fix
+plans the op assert that no degrade step is taken
+(``compile_fallback="error"``)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import fresh_cache
+
+from torch_spyre.compiler import degrade
+from torch_spyre.compiler.scheduling import SpyreScheduling
+from torch_spyre.kernels.search import Unsupported
+from torch_spyre.runtime import dispatch_stats
+
+
+def _compile(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def _check(fn, *args, atol=1e-5):
+    """``fn`` compiled on spyre against the CPU; an argument may be a function
+    of the device (a view taken on the device: a non-contiguous input)."""
+    want = fn(*[a("cpu") if callable(a) else a for a in args])
+    got = _compile(fn)(*[a("spyre") if callable(a) else a.to("spyre") for a in args])
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=atol)
+
+
+@pytest.fixture
+def refuse(monkeypatch):
+    """``refuse("tanh")``: the planner refuses every group holding that op."""
+    plan = SpyreScheduling._plan
+
+    def install(op: str):
+        def refusing(self, nodes, *args, **kwargs):
+            for n in nodes:
+                if any(op in str(o.target) for o in n.node.origins or ()):
+                    raise Unsupported(f"test refuses {op}")
+            return plan(self, nodes, *args, **kwargs)
+
+        monkeypatch.setattr(SpyreScheduling, "_plan", refusing)
+
+    with fresh_cache():
+        yield install
+
+
+def test_eager_node_reads_an_input_freed_before_it(monkeypatch):
+    """Seed 0: a node run as eager kernels (a pad of an outer dim, then a
+    softmax) recomputes ``var`` from the graph input (a welford reduction's
+    buffer holds M2, not the variance), which Inductor had already freed
+    after its last declared reader: the wrapper raised UnboundLocalError.
+    The input is now kept alive.  (Outer-dim pads are device kernels now;
+    the case is reproduced with that route off.)"""
+    from torch_spyre.compiler import passes
+
+    monkeypatch.setattr(passes, "_route_outer_pads", lambda gm: False)
+
+    def fn(x, w):
+        v = x.var([0], keepdim=True, unbiased=False)
+        return F.rms_norm(v, (8,), w, 1e-6), F.softmax(F.pad(v, [1, 2, 0, 0], value=0.5), dim=0)
+
+    x, w = torch.rand(32, 1, 8) * 4 - 2, torch.rand(1) + 0.5
+    with fresh_cache():
+        _check(fn, x, lambda d: w[:1].to(d).expand(8))
+
+
+def test_welford_buffers_run_as_eager_kernels(refuse):
+    """A welford reduction (var_mean of a layer norm) that does not plan: its
+    buffers (mean, M2, count) have no FX node; they are computed by eager
+    ops from the reduction's input."""
+    refuse("var_mean")
+    degrade.reset_counts()
+
+    def fn(x, w, b):
+        return F.layer_norm(x.exp(), (70,), w, b, 1e-5)
+
+    _check(fn, torch.randn(6, 70), torch.rand(70) + 0.5, torch.randn(70))
+    assert degrade.counts()["eager"] >= 1
+
+
+def test_a_copy_realized_for_a_matmul_runs_eagerly():
+    """Seed 357: a strided view reshaped for a matmul is copied in a buffer
+    Inductor realizes while lowering the matmul (no FX node recorded); it
+    degrades, and is found as the last of its origins (``reshape``)."""
+
+    def fn(x, w, b):
+        return F.linear(x.reshape(256), w, b)
+
+    x, w = torch.rand(128, 4) * 4 - 2, torch.rand(256, 16) * 0.125 - 0.0625
+    _check(fn, lambda d: x.to(d)[:, ::2], lambda d: w.to(d).t(), torch.rand(16) - 0.5)
+
+
+def test_scatters_are_device_kernels(spyre_settings):
+    """Seed 16: ``scatter`` / ``scatter_add`` / ``scatter_reduce`` were lowered
+    to a copy and an indirect store (a mutation, with no FX node to run
+    eagerly): the compile aborted.  They are ``spyre::scatter``, the eager
+    device scatter, planned (no degrade step)."""
+    spyre_settings(compile_fallback="error")
+    x, src = torch.randn(12, 32, 8), torch.randn(4, 32, 8)
+    idx = torch.rand(12, 32, 8).argsort(dim=0)[:4]
+
+    def fn(x, i, s):
+        return (
+            x.scatter(0, i, s)[:, :, 0],
+            x.scatter_add(0, i, s),
+            x.scatter(1, i[:, :2], 0.5),
+            x.scatter_reduce(0, i, s, "amax"),
+        )
+
+    _check(fn, x, idx, src)
+
+
+def test_pad_of_an_outer_dim_before_a_reduction(spyre_settings):
+    """Seed 92: a pad of an outer dim read by ``var`` was realized inside the
+    reduction's lowering (masked loads, no FX node): the compile aborted.
+    A pad of an outer dim is ``spyre::pad``, the device's pad."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x):
+        return F.pad(x, [1, 3, 0, 3], value=0.5).var([0], keepdim=False, unbiased=False)
+
+    _check(fn, torch.rand(7, 1, 1) * 4 - 2)
+
+
+def test_replicate_pad_before_a_layer_norm(spyre_settings):
+    """Seed 333: replicate / reflect pads decompose to ``_unsafe_index`` by
+    clamped iotas, a gather inside a kernel program: the compile aborted.
+    They take the device index kernel, as ``aten.index`` does."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x, w, b):
+        return (
+            F.layer_norm(F.pad(x.abs(), [2, 3], mode="replicate"), (69,), w, b, 1e-5),
+            F.pad(x.unsqueeze(0), [3, 1], mode="reflect"),
+        )
+
+    _check(fn, torch.randn(16, 64), torch.rand(69) + 0.5, torch.rand(69) - 0.5)
+
+
+def test_reduction_over_most_of_a_transposed_input(spyre_settings):
+    """Seed 283: Inductor split a reduction with few outputs into two kernels,
+    the first reading the rows through a view no program expresses: the
+    compile aborted.  Reductions are never split for spyre (the planner
+    streams long rows itself)."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x):
+        return x.mT.mean([0, 1, 3], keepdim=False), x.sum()
+
+    _check(fn, torch.rand(3, 8, 6, 2) * 4 - 2)
+    _check(lambda x: x.mT.amax([0, 1, 3]), torch.randn(4, 40, 30, 20))
+
+
+def test_dispatch_counts_unchanged_by_the_tests():
+    """The cases above run on device kernels (no host fallback)."""
+    dispatch_stats.reset("fallback")
+    _check(lambda x: F.pad(x, [1, 1, 1, 1]).sum(0), torch.randn(5, 6, 70))
+    assert not dispatch_stats.counts("fallback")

@@ -1,0 +1,181 @@
+"""The compiler fuzzer (torch_spyre.tools.fuzz): its fixed CI seed set passes,
+and the fuzzer itself generates valid graphs, catches wrong answers and
+minimises failures.
+
+The long mode (``python -m torch_spyre.tools.fuzz --minutes N``) is not a
+unit test; docs/compiler.md ("The fuzzer") reports its runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import fresh_cache
+
+from torch_spyre.tools.fuzz import cli
+from torch_spyre.tools.fuzz.generator import CI, generate, merge
+from torch_spyre.tools.fuzz.graph import Graph, Node
+from torch_spyre.tools.fuzz.minimiser import minimise, write_case
+from torch_spyre.tools.fuzz.oracle import build, reference
+from torch_spyre.tools.fuzz.runner import MISMATCH, PASS, check, check_many, quiet
+
+#: the CI seed set: graphs 0 .. CI_GRAPHS - 1, CI_BATCH graphs per compile
+CI_GRAPHS = 520
+CI_BATCH = 10
+#: wall-clock bound of the CI set (measured: docs/compiler.md, "The fuzzer")
+CI_SECONDS = 180
+
+
+@pytest.mark.slow
+def test_ci_seed_set_passes():
+    """>= 500 random graphs, each on the CPU, eagerly on spyre and compiled
+    on spyre (batched: CI_BATCH graphs per compile, a cold Inductor cache),
+    every output within the oracle's tolerance."""
+    quiet()
+    start = time.monotonic()
+    outcomes = []
+    with fresh_cache():
+        for first in range(0, CI_GRAPHS, CI_BATCH):
+            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
+            results, _ = check_many(graphs, seed=first)
+            outcomes += [(first + i, r) for i, r in enumerate(results)]
+    elapsed = time.monotonic() - start
+    counts = Counter(r.status for _, r in outcomes)
+    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
+    assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
+    assert counts[PASS] == CI_GRAPHS
+    assert elapsed < CI_SECONDS, f"the CI seed set took {elapsed:.0f} s"
+
+
+def test_generated_graphs_are_valid_on_the_cpu():
+    """Every graph type-checks, and its inferred shapes, dtypes and value
+    ranges hold when it runs (so a failure on spyre is the backend's)."""
+    for seed in range(200):
+        g = generate(seed, CI)
+        fn, make_inputs, _ = build(g)
+        outs = fn(*make_inputs("cpu"))
+        assert len(outs) == len(g.outputs)
+        for o, i in zip(outs, g.outputs):
+            n = g.nodes[i]
+            assert tuple(o.shape) == n.shape and o.dtype == getattr(torch, n.dtype), (seed, i)
+            if o.is_floating_point():
+                slack = 1e-3 * max(1.0, abs(n.lo), abs(n.hi))
+                assert torch.isfinite(o).all(), seed
+                assert n.lo - slack <= float(o.min()) and float(o.max()) <= n.hi + slack, (seed, i)
+
+
+def test_graphs_cover_the_grammar():
+    ops, layouts = Counter(), Counter()
+    for seed in range(CI_GRAPHS):
+        for n in generate(seed, CI).nodes:
+            ops[n.op] += 1
+            if n.op == "input":
+                layouts[n.attrs.get("layout", "contiguous")] += 1
+    assert set(ops) >= {
+        "unary", "binary", "where", "reduce", "softmax", "norm", "view", "slice", "cat",
+        "rotate_half", "pad", "misc", "index", "matmul", "conv", "cast", "input",
+    }  # fmt: skip
+    assert set(layouts) == {"contiguous", "transposed", "strided", "offset", "expanded"}
+
+
+def _graph(ops: list[tuple[str, tuple, dict]], shape=(4, 70)) -> Graph:
+    g = Graph(seed=7)
+    g.add(Node("input", (), {"kind": "float", "shape": list(shape), "lo": -2.0, "hi": 2.0}))
+    for op, args, attrs in ops:
+        g.add(Node(op, args, attrs))
+    g.outputs = [len(g.nodes) - 1]
+    return g
+
+
+def test_tolerances_are_tight_for_well_conditioned_outputs():
+    """An element-wise chain on O(1) values: a few ulps; a long sum: wider,
+    as its rounding is; an exact op (a view): one ulp of the largest value."""
+    chain = _graph([("unary", (0,), {"f": "tanh"}), ("unary", (1,), {"f": "silu"})])
+    summed = _graph([("reduce", (0,), {"f": "mean", "dims": [1], "keepdim": False})], (4, 4000))
+    view = _graph([("view", (0,), {"kind": "transpose", "dims": [0, 1]})])
+    atol = {}
+    for name, g in (("chain", chain), ("sum", summed), ("view", view)):
+        _, make_inputs, _ = build(g)
+        atol[name] = reference(g, make_inputs("cpu")).atol[0]
+    assert atol["chain"] < 1e-5
+    assert atol["view"] <= 2.0**-23 * 2
+    assert atol["chain"] < atol["sum"] < 1e-3
+
+
+def test_a_wrong_answer_is_a_mismatch(monkeypatch):
+    """A compiled result off by 10 ulps in one element is caught."""
+    quiet()
+    g = _graph(
+        [
+            ("unary", (0,), {"f": "exp"}),
+            ("reduce", (1,), {"f": "sum", "dims": [1], "keepdim": True}),
+        ]
+    )
+    assert check(g).status == PASS
+    from torch_spyre.tools.fuzz import runner
+
+    real = runner.run_compiled
+
+    def wrong(graph, inputs):
+        outs = real(graph, inputs)
+        bad = outs[0].cpu().clone()
+        bad[1, 0] *= 1 + 10 * 2.0**-23 * 50
+        return [bad.to(outs[0].device)]
+
+    monkeypatch.setattr(runner, "run_compiled", wrong)
+    out = check(g)
+    assert out.status == MISMATCH and "max abs error" in out.detail
+
+
+def test_merged_graphs_report_each_graph():
+    quiet()
+    graphs = [generate(s, CI) for s in (3, 4, 5)]
+    merged, spans = merge(graphs)
+    assert len(merged.outputs) == sum(len(g.outputs) for g in graphs)
+    assert spans[-1][1] == len(merged.outputs)
+    results, whole = check_many(graphs)
+    assert [r.status for r in results] == [PASS] * 3 and whole.status == PASS
+
+
+def test_minimiser_shrinks_to_the_failing_op(tmp_path):
+    """A stand-in failure (any graph holding a log_softmax) shrinks to one
+    log_softmax of a small input, and is written as a passing test file."""
+    g = _graph(
+        [
+            ("unary", (0,), {"f": "tanh"}),
+            ("binary", (0, 1), {"f": "mul"}),
+            ("softmax", (2,), {"log": True, "dim": -1}),
+            ("unary", (3,), {"f": "exp"}),
+        ],
+        (6, 70),
+    )
+
+    def fails(c: Graph) -> bool:
+        return any(n.op == "softmax" and n.attrs["log"] for n in c.nodes)
+
+    small = minimise(g, fails, budget_s=60)
+    assert [n.op for n in small.nodes] == ["input", "softmax"]
+    assert math.prod(small.nodes[0].shape) <= 2
+    quiet()
+    path = write_case(small, check(small), tmp_path / "test_case.py")
+    spec = importlib.util.spec_from_file_location("fuzz_case", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.test_case()
+    assert module.F is F
+
+
+def test_cli_runs_in_process(tmp_path, capsys):
+    quiet()
+    rc = cli.main(
+        ["--graphs", "4", "--batch", "4", "--config", "ci", "--in-process", "-q"]
+        + ["--json", str(tmp_path / "s.json"), "--cases", str(tmp_path / "cases")]
+    )
+    assert rc == 0
+    assert '"graphs": 4' in capsys.readouterr().out

@@ -1,0 +1,1 @@
+"""A differential fuzzer for the spyre compiler (NNSmith-style)."""

@@ -1,0 +1,7 @@
+"""``python -m torch_spyre.tools.fuzz``."""
+
+import sys
+
+from torch_spyre.tools.fuzz.cli import main
+
+sys.exit(main())
