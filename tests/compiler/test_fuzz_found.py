@@ -157,6 +157,50 @@ def test_reduction_over_most_of_a_transposed_input(spyre_settings):
     _check(lambda x: x.mT.amax([0, 1, 3]), torch.randn(4, 40, 30, 20))
 
 
+def test_a_read_after_an_in_place_op_sees_what_it_wrote():
+    """Seed 100126: ``index_add`` lowers to a copy and an in-place
+    ``index_put_``; ``std`` then runs as eager kernels (welford), and its
+    recomputed code started from the graph input the copy came from: it read
+    the tensor as it was before the write.  A silent wrong answer.  An eager
+    node now holds the written buffer, and refuses to re-run a producer of a
+    tensor an in-place op wrote before it."""
+
+    def fn(x, idx, src):
+        return x.index_add(0, idx, src).std([1], keepdim=False)
+
+    g = torch.Generator().manual_seed(100126)
+    x = torch.rand(2, 129, generator=g) * 4 - 2
+    src = torch.rand(1, 129, generator=g) * 4 - 2
+    _check(fn, x, torch.tensor([1]), src)
+
+
+def test_a_small_constant_of_a_pass_in_an_eager_node():
+    """Seed 100111: a pad's fill (a graph constant our passes add) that Inductor
+    inlined was not held by the wrapper, so an eager node reading it could
+    not be built: the compile aborted.  Small constants are written into the
+    eager node's code."""
+
+    def fn(x, w):
+        return F.layer_norm(F.pad(x, [3, 1], value=0.5), (5,), w, None, 1e-5)
+
+    g = torch.Generator().manual_seed(100111)
+    base = torch.rand(1, 2, generator=g) * 4 - 2
+    _check(fn, lambda d: base.to(d).transpose(0, 1), torch.rand(5) + 0.5)
+
+
+def test_a_row_slice_of_a_narrow_tensor_in_a_same_layout_program(spyre_settings):
+    """Seed 100255: ``x[35:] * y`` with a stick dim of 2: the slice's operand
+    was bound as a flat run of device memory, the others in their device
+    shape, and the program failed on the card (a crash, the card then in
+    its stream error).  Every bound slice has its operand's device shape."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x, y):
+        return x[35:] * y
+
+    _check(fn, torch.rand(37, 2) * 4 - 2, torch.rand(2, 2) * 4 - 2)
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -146,10 +146,72 @@ def _realized(reads: set[str]) -> dict[torch.fx.Node, str]:
         name = buf.get_name()
         if name not in reads or name in removed:
             continue
+        if isinstance(buf, ir.MutationOutput):
+            # a read of an in-place op's result is a read of the tensor it
+            # wrote: hold that buffer under its FX node, post-mutation
+            for target in buf.get_mutation_buffers():
+                node = _value_of(origin_node(target), target)
+                if node is not None:
+                    out[node] = real.get(target.get_name(), target.get_name())
+            continue
         node = _value_of(origin_node(buf), buf)
         if node is not None and not _sum_of_mean(buf, node):
             out.setdefault(node, real.get(name, name))
     return out
+
+
+def _view_base(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor ``n`` is a view of, or None when ``n`` is not a view op."""
+    target = n.target
+    if n.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.is_view:
+        base = n.args[0] if n.args else None
+        return base if isinstance(base, torch.fx.Node) else None
+    return None
+
+
+def _storage(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """``n`` and the tensors it is a view of, innermost first."""
+    chain = [n]
+    while (base := _view_base(chain[-1])) is not None:
+        chain.append(base)
+    return chain
+
+
+def _written_after(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Storage root -> graph position of the first in-place op writing it."""
+    first: dict[torch.fx.Node, int] = {}
+    for pos, n in enumerate(graph.nodes):
+        if n.op == "call_function" and _mutates(n):
+            for i in _mutated_args(n):
+                a = n.args[i]
+                if isinstance(a, torch.fx.Node):
+                    first.setdefault(_storage(a)[-1], pos)
+    return first
+
+
+def _check_no_stale_read(order, held, name: str) -> None:
+    """Raise when re-running ``order`` would read a tensor as it was before an
+    in-place op the FX graph ran earlier (the FX graph names the written
+    tensor by its pre-mutation node): unless the buffer holding it is read,
+    re-running its producers computes the old value, a silent wrong answer."""
+    graph = order[0].graph if order else None
+    if graph is None:
+        return
+    written = _written_after(graph)
+    if not written:
+        return
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for n in order:
+        for a in n.all_input_nodes:
+            chain = _storage(a)
+            pos = written.get(chain[-1])
+            if pos is None or pos >= position[n]:
+                continue
+            if not any(c in held for c in chain):
+                raise Unsupported(
+                    f"spyre compiler: {name} reads {a.name} after an in-place op wrote it, "
+                    "and no buffer holding the written value is an input"
+                )
 
 
 def _matches(val, buf) -> bool:
@@ -233,6 +295,19 @@ def _welford_output(g: torch.fx.Graph, x: torch.fx.Node, fx_op, index: int, size
     return call(_aten.reshape.default, (out, [int(s) for s in size]))
 
 
+#: the largest graph constant an eager node writes into its code
+INLINE_CONSTANT_ELEMENTS = 64
+
+
+def _inline_constant(n: torch.fx.Node) -> torch.Tensor | None:
+    """The value of a small graph constant (a pad's fill, a lane table
+    Inductor inlined instead of holding it as a buffer), or None."""
+    value = getattr(V.graph.module, str(n.target), None)
+    if isinstance(value, torch.Tensor) and value.numel() <= INLINE_CONSTANT_ELEMENTS:
+        return value
+    return None
+
+
 def function_source(snode) -> tuple[str, str, list[str]]:
     """(name, Python source of a function computing ``snode``'s buffer with
     eager ops, the wrapper variables to call it with).  Unsupported when the
@@ -266,6 +341,9 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         if n is not root and n in held:
             inputs.append(n)
             return
+        if n.op == "get_attr" and _inline_constant(n) is not None:
+            order.append(n)  # a small constant Inductor inlined: written into the code
+            return
         if n.op != "call_function":
             raise Unsupported(
                 f"spyre compiler: {name} needs {n.name} ({n.op}), which the wrapper does not hold"
@@ -281,6 +359,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         inputs.append(root)
     else:
         visit(root)
+    _check_no_stale_read(order, held, name)
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, n in enumerate(inputs):
@@ -302,6 +381,13 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
             env[n] = g.call_function(
                 torch.ops.aten.sum.dim_IntList, (x, dims, keep), {"dtype": buf.get_dtype()}
+            )
+        elif n.op == "get_attr":
+            value = _inline_constant(n)
+            env[n] = g.call_function(
+                torch.tensor,
+                (value.tolist(),),
+                {"dtype": value.dtype, "device": torch.device(value.device.type)},
             )
         else:
             env[n] = g.node_copy(n, lambda a: env[a])

@@ -82,12 +82,14 @@ class CompiledKernel:
             if role == "input":
                 mem = operands.memory(t)
                 if start or mem.numel() != numel:  # a slice: one block of its sticks
-                    mem = mem.reshape(-1)[start : start + numel]
+                    size = self.program.operand(name).layout.device_size
+                    mem = mem.reshape(-1)[start : start + numel].view(size)
                 bind[name] = mem
             elif operands.is_whole_default(t):
                 mem = operands.device_memory(t)
                 if mem.numel() != numel:  # stored in a compacter layout (compiler.layouts)
-                    mem = mem.reshape(-1)[:numel]
+                    size = self.program.operand(name).layout.device_size
+                    mem = mem.reshape(-1)[:numel].view(size)
                 bind[name] = mem
             else:  # an output Inductor allocated with another stride: store, then re-lay
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
