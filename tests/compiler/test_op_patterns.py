@@ -79,3 +79,18 @@ def test_eager_integer_division_is_exact(lo, hi):
         torch.div(ad, bd, rounding_mode="trunc").cpu(), torch.div(a, b, rounding_mode="trunc")
     )
     assert torch.equal((ad % bd).cpu(), a % b)
+
+
+def test_a_cat_of_an_infinite_mask_is_not_a_lane_placement():
+    # DeepSeek-V4: the attention mask cat with the compressor's block bias,
+    # both filled with -inf.  A lane placement is a matmul with a 0/1 table,
+    # and -inf * 0 is NaN: the compiled model answered NaN (a silent wrong
+    # answer in the architecture sweep).  Such pieces take the device's cat.
+    def fn(x, scores):
+        bias = torch.full((4, 3), float("-inf"), device=x.device).triu(1)
+        mask = torch.cat([x.masked_fill(x > 0.5, float("-inf")), bias], -1)
+        return (scores + mask).softmax(-1), torch.cat([x, bias], -1)
+
+    x, scores = torch.rand(4, 5), torch.randn(4, 8)
+    for got, want in zip(_compiled(fn, x, scores), fn(x, scores)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)

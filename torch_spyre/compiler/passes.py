@@ -42,6 +42,8 @@ and rewrites what the vector units cannot do into what the PE array can:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 
@@ -278,6 +280,50 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+#: ops that turn finite values into infinities by design (``log(mask)``)
+_MAKES_INF = ("aten::log", "aten::log2", "aten::log10", "aten::reciprocal")
+
+
+def _literal_non_finite(a) -> bool:
+    if isinstance(a, float):
+        return not math.isfinite(a)
+    if isinstance(a, list | tuple):
+        return any(_literal_non_finite(x) for x in a)
+    return False
+
+
+def may_be_infinite(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> bool:
+    """Whether ``node``'s value may hold an infinity the graph itself writes:
+    an ancestor fills with ``-inf`` (an attention mask built with
+    ``full(-inf)`` / ``masked_fill``), holds a constant with one, or is a log.
+    A lane placement on the PE array multiplies every value by the table's
+    zeros, and ``inf * 0`` is NaN: such pieces are moved by the device's cat
+    or left to the eager kernels instead (DeepSeek-V4's compressed-KV mask
+    came out NaN: a silent wrong answer in the architecture sweep).
+    Infinities in the graph's inputs or from overflow are not looked for."""
+    seen: set[torch.fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr" and gm is not None:
+            value = getattr(gm, str(n.target), None)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                if not bool(torch.isfinite(value.cpu()).all()):
+                    return True
+        if n.op != "call_function":
+            continue
+        if _literal_non_finite(list(n.args)) or _literal_non_finite(list(n.kwargs.values())):
+            return True
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.name in _MAKES_INF:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
 def _split_piece(p: torch.fx.Node):
     """(x, dim, start, end, 1) when ``p`` is piece i of ``split``/``split_with_sizes``
     of x (what ``chunk`` becomes), else None."""
@@ -347,7 +393,7 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
         if not _on_spyre(node) or not node.meta["val"].dtype.is_floating_point:
             continue
         found = _slice_pieces(node)
-        if found is None:
+        if found is None or may_be_infinite(found[0], gm):
             continue
         x, pieces = found
         xv = x.meta["val"]
@@ -472,6 +518,7 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             dim = dim % val.dim()
             last = dim == val.dim() - 1
             narrow = last and val.dtype.is_floating_point and val.shape[-1] <= _MAX_CAT
+            narrow = narrow and not any(may_be_infinite(p, gm) for p in pieces)
             if not narrow:
                 # along an outer dim (Inductor writes it as masked loads of
                 # shifted rows, which no program expresses): whole sticks moved
@@ -510,6 +557,8 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             end = d if end is None else min(end + d if end < 0 else end, d)
             if src.meta["val"].shape != (*val.shape[:-1], end - start):
                 continue
+            if may_be_infinite(src, gm):
+                continue  # left to Inductor's masked stores: planned or eager, never NaN
             fake_mode = detect_fake_mode([val])
             keep = torch.ones(d, dtype=torch.bool)
             keep[start:end] = False
@@ -530,6 +579,8 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             if len(pad) != 2 or min(pad) < 0 or not _last_dim(node, -1):
                 continue
             if x.meta["val"].dtype != val.dtype or not isinstance(value, int | float):
+                continue
+            if may_be_infinite(x, gm):
                 continue
             fake_mode = detect_fake_mode([val])
             with gm.graph.inserting_before(node):
