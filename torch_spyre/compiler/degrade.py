@@ -10,7 +10,10 @@ backend degrades the same way, in this order, in this one place:
    inside the compiled graph (``eager_nodes.py``: the FX nodes it came from,
    op by op through the eager library);
 3. an op with no eager kernel then takes the eager layer's **counted host
-   fallback**, as it would outside a compiled graph.
+   fallback**, as it would outside a compiled graph; a node with no FX node
+   to re-run (a buffer Inductor realized inside another op's lowering) is
+   computed **on the host** from its IR (``host_nodes.py``), counted as a
+   host fallback too.  Only what none of these covers raises.
 
 Every step is counted (``counts()``; per graph in ``GraphState.degraded``)
 and reported: the compile log (logger ``torch_spyre.compiler``), a
@@ -52,13 +55,14 @@ class EagerNode:
 
 
 #: process-wide counts: "split" (groups split), "eager" (nodes run eagerly),
-#: "eager_extern" (extern matmuls run as their eager kernel)
+#: "eager_extern" (extern matmuls run as their eager kernel), "host" (nodes
+#: computed on the host from their IR)
 _counts: Counter[str] = Counter()
 
 
 def counts() -> dict[str, int]:
     """Degrade steps taken by the compiles of this process."""
-    return {k: _counts.get(k, 0) for k in ("split", "eager", "eager_extern")}
+    return {k: _counts.get(k, 0) for k in ("split", "eager", "eager_extern", "host")}
 
 
 def reset_counts() -> None:

@@ -27,7 +27,7 @@ from torch._inductor.virtualized import V
 from torch.utils._ordered_set import OrderedSet
 
 from torch_spyre import settings
-from torch_spyre.compiler import degrade, eager_nodes, graph_state, layouts, lowering
+from torch_spyre.compiler import degrade, eager_nodes, graph_state, host_nodes, layouts, lowering
 from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
@@ -294,11 +294,8 @@ class SpyreScheduling(BaseScheduling):
         try:
             fname, src, args = eager_nodes.function_source(snode)
         except lowering.Unsupported as err:
-            raise lowering.Unsupported(
-                f"spyre compiler: cannot plan {name} (from {degrade._origins(snode)}) as a "
-                f"kernel program ({eager.reason}) nor run it as eager kernels ({err}). Run "
-                "this op outside the compiled region, or file an issue with this message."
-            ) from None
+            self._emit_host(eager, err)
+            return
         # The eager code may read a graph input the node does not read itself
         # (a welford reduction's buffer holds M2, not the variance: the eager
         # code recomputes the variance from the input).  Inductor freed that
@@ -323,6 +320,34 @@ class SpyreScheduling(BaseScheduling):
             out = layout.get_buffer().get_name()
         call = ", ".join([fname, repr(name), out, *args])
         wrapper.writeline(f"spyre_rt.run_eager({call})  # not planned: {eager.reason[:100]}")
+
+    def _emit_host(self, eager: degrade.EagerNode, eager_err: Exception) -> None:
+        """The last step: the node computed on the host from its IR
+        (``host_nodes.py``), counted as a host fallback."""
+        wrapper = V.graph.wrapper_code
+        snode = eager.node
+        name = snode.node.get_name()
+        what = f"cannot plan {name} (from {degrade._origins(snode)}) as a kernel program"
+        try:
+            fname, src, args = host_nodes.function_source(snode)
+        except lowering.Unsupported as err:
+            raise lowering.Unsupported(
+                f"spyre compiler: {what} ({eager.reason}), nor run it as eager kernels "
+                f"({eager_err}) nor on the host ({err}). Run this op outside the compiled "
+                "region, or file an issue with this message."
+            ) from None
+        degrade.step(
+            "host",
+            f"{name} (from {degrade._origins(snode)}) runs on the host",
+            str(eager_err),
+            graph_state.of(wrapper),
+        )
+        defined = graph_state.of(wrapper).defined
+        if fname not in defined:
+            defined.add(fname)
+            wrapper.header.writeline(f"{fname} = spyre_rt.host_function({src!r})")
+        call = ", ".join([fname, repr(name), name, *args])
+        wrapper.writeline(f"spyre_rt.run_host({call})  # not planned: {eager.reason[:100]}")
 
     def _emit(self, plan: lowering.Plan) -> None:
         wrapper = V.graph.wrapper_code

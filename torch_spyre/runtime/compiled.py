@@ -186,6 +186,44 @@ def run_eager(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *in
     out.copy_(result)
 
 
+def host_function(src: str) -> Callable[..., torch.Tensor]:
+    """The host code the compiler wrote from a node's IR (``compiler/host_nodes.py``)."""
+    env = {"torch": torch, "math": math, "_ld": _load}
+    exec(compile(src, "<spyre host node>", "exec"), env)
+    return env["forward"]
+
+
+def _load(flat: torch.Tensor, index) -> torch.Tensor:
+    """``flat[index]``: indices a masked load does not use are clamped."""
+    index = torch.as_tensor(index)
+    return flat[index.clamp(0, max(flat.numel() - 1, 0))]
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of the storage ``t`` views, flat (the IR indexes storage):
+    its elements where ``t`` has them, zeros elsewhere."""
+    extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    flat = torch.zeros(max(extent, 1) if t.numel() else 1, dtype=t.dtype)
+    if t.numel():
+        flat.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(t.cpu())
+    return flat
+
+
+def run_host(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *inputs) -> None:
+    """Compute node ``name`` of a compiled graph on the host from its IR (the
+    last degrade step, counted as a host fallback) and store it into the
+    buffer Inductor allocated for it."""
+    dispatch_stats.record("degraded", name)
+    dispatch_stats.record("fallback", f"compiled.{name}")
+    result = fn(*[_storage(t) for t in inputs])
+    if tuple(result.shape) != tuple(out.shape):
+        raise RuntimeError(
+            f"spyre compiled graph: node {name} computed on the host has shape "
+            f"{tuple(result.shape)}, its buffer {tuple(out.shape)} (a compiler bug)"
+        )
+    out.copy_(result.to(out.device))
+
+
 def out_via_eager(op, out: torch.Tensor, *args, **kwargs) -> None:
     """An extern kernel the planner did not take: its eager device kernel, then
     a device copy into the buffer Inductor allocated."""
