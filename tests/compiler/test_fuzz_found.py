@@ -201,6 +201,83 @@ def test_a_row_slice_of_a_narrow_tensor_in_a_same_layout_program(spyre_settings)
     _check(fn, torch.rand(37, 2) * 4 - 2, torch.rand(2, 2) * 4 - 2)
 
 
+def test_index_add_into_an_expanded_input():
+    """Seeds 200310, 200431: ``index_add`` of an expanded input (stride 0):
+    the functional op's value is a dense copy, but the in-place index_put_
+    wrote through the overlapping view (an error on the card)."""
+
+    def fn(x, idx, src):
+        return F.pad(x.index_add(1, idx, src), [0, 1], value=0.5)
+
+    base = torch.rand(1, 1, 2, 1) * 4 - 2
+    _check(fn, lambda d: base.to(d).expand(1, 2, 2, 1), torch.tensor([1]), torch.rand(1, 1, 2, 1))
+
+
+def test_index_add_into_a_chunk_of_a_computed_tensor():
+    """Seed 201001: ``index_add`` into a chunk of a computed tensor: Inductor
+    realized the chunk, wrote it in place and copied it back into the
+    tensor; the copy was planned with the chunk's shape but bound to the
+    whole tensor (an error on the card; before the read-after-write fix, a
+    wrong answer).  A store into part of another buffer degrades."""
+
+    def fn(a, b, idx, src):
+        return (a - b).chunk(4, 2)[0].index_add(2, idx, src)
+
+    a = torch.rand(5, 2, 1) * 4 - 2
+    _check(
+        fn, lambda d: a.to(d).transpose(0, 2), torch.rand(1, 1, 5), torch.tensor([1]),
+        torch.rand(1, 2, 1),
+    )  # fmt: skip
+
+
+def test_index_add_into_a_slice_of_a_computed_tensor():
+    """Seed 201245: the copy back into a slice ran as eager kernels that
+    computed the slice's value and stored it over the whole buffer (a shape
+    error at run time).  It runs on the host from the IR's store index."""
+
+    def fn(x, idx, src):
+        return torch.cos(x)[1:33].index_add(2, idx, src)
+
+    _check(fn, torch.rand(33, 1, 1, 1), torch.tensor([0]), torch.rand(32, 1, 1, 1))
+
+
+def test_a_mask_gathered_across_lanes_stays_a_mask(spyre_settings):
+    """Seed 200627: a bool mask read at shifted lanes went through the lane
+    gather (a matmul) and came out fp32; the ``where`` reading it failed on
+    the card.  A gathered mask is converted back to bool."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(a, b, c, mask, other):
+        return torch.where(mask, torch.cat([a, b, c]), other)[63:97]
+
+    g = torch.Generator().manual_seed(200627)
+    args = [torch.rand(n, generator=g) for n in (63, 3, 31)]
+    _check(fn, *args, torch.rand(97, generator=g) < 0.8, torch.rand(1))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["conv2d_dilated_grouped_permuted_weight", "conv1d_of_a_transposed_input"],
+)
+def test_host_convolutions_have_the_layout_fake_tensors_give(case):
+    """Seeds 200558, 200784: a convolution the card does not run took the
+    host kernel, which picked channels-last for a permuted input; the
+    compiled graph asserts the strides FakeTensor computed (contiguous)."""
+    if case.startswith("conv2d"):
+        w = torch.rand(2, 3, 3, 1) - 0.5
+
+        def fn(x, w, b):
+            return F.conv2d(x, w, b, stride=2, dilation=2, groups=2)
+
+        _check(fn, torch.rand(1, 2, 5, 7), lambda d: w.to(d).transpose(1, 3), torch.rand(2))
+    else:
+
+        def fn(x, w):
+            return F.conv1d(x.mT, w, None, stride=2, padding=1)
+
+        _check(fn, torch.rand(1, 3, 1), torch.rand(2, 1, 3) - 0.5)
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -18,6 +18,7 @@ torch_spyre is never replayed.  See docs/compiler.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.abc
 import pathlib
@@ -26,8 +27,13 @@ import sys
 _registered = False
 
 
+@functools.cache
 def backend_version() -> str:
-    """torch_spyre's version plus a hash of the sources that shape compiled code."""
+    """torch_spyre's version plus a hash of the sources that shape compiled code.
+
+    Computed once per process: the key must describe the code this process
+    loaded, not files edited on disk since (a cache entry keyed by new
+    sources but compiled by old code would be loaded by every later run)."""
     from torch_spyre import _version
 
     root = pathlib.Path(__file__).resolve().parent.parent

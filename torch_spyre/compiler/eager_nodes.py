@@ -326,6 +326,14 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     reads = {d.name for d in snode.read_writes.reads}
     held = _realized(reads)
     layout = buf.get_output_spec()
+    if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+        target = layout.get_buffer()
+        if [str(s) for s in target.get_size()] != [str(s) for s in buf.get_size()]:
+            # a copy into part of another buffer (a view an in-place op wrote):
+            # the FX value is the part, the store is through the view
+            raise Unsupported(
+                f"spyre compiler: {name} writes part of {target.get_name()}, through a view"
+            )
     if isinstance(layout, ir.MutationLayoutSHOULDREMOVE) and root.args:
         # a scatter writes into a copy of its input that Inductor made first:
         # until it runs, that buffer holds the input

@@ -158,8 +158,10 @@ class _Writer:
 
     def load(self, name: str, index):
         param = self.reads.get(name)
-        if param is None:
-            raise Unsupported(f"spyre compiler: host code reads {name}, which is not an input")
+        if param is None:  # a buffer a read of an in-place op's result stands for
+            if name not in V.graph.name_to_buffer and name not in V.graph.graph_inputs:
+                raise Unsupported(f"spyre compiler: host code reads {name}, an unknown buffer")
+            param = self.reads[name] = f"in{len(self.reads)}"
         return self._new(f"_ld({param}, {self._index(index)})")
 
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
@@ -188,6 +190,17 @@ class _Writer:
     def identity(self, x):
         return x
 
+    def store(self, name, index, value, mode=None):
+        if mode is not None:
+            raise Unsupported(f"spyre compiler: no host code for a {mode} store")
+        self.stored = (self._arg(value), self._index(index))
+
+    def reduction(self, dtype, src_dtype, reduction_type, value):
+        return _reduce(self, reduction_type, self._arg(value), self.full, self.npoint)
+
+    def store_reduction(self, name, index, value):
+        self.stored = (self._arg(value), self._index(index))
+
 
 def _grid(names: list[str], sizes: list[int]) -> list[str]:
     n = len(sizes)
@@ -199,9 +212,9 @@ def _grid(names: list[str], sizes: list[int]) -> list[str]:
     return lines
 
 
-def _reduce(w: _Writer, kind: str, value: str, full: list[int], npoint: int, out: int) -> str:
+def _reduce(w: _Writer, kind: str, value: str, full: list[int], npoint: int):
     """Reduce ``value`` (a grid over pointwise then reduction dims) over its
-    reduction dims, in fp32 for 16-bit floats; ``out`` picks a welford output."""
+    reduction dims; a welford reduction gives (mean, M2, count)."""
     v = w._new(f"torch.as_tensor({value}).expand({full}).reshape({full[:npoint] + [-1]})")
     if kind == "sum":
         return w._new(f"{v}.sum(-1)")
@@ -217,11 +230,11 @@ def _reduce(w: _Writer, kind: str, value: str, full: list[int], npoint: int, out
         return w._new(f"{v}.{kind}(-1)")
     if kind == "welford_reduce":
         mean = w._new(f"{v}.double().mean(-1)")
-        if out == 0:
-            return w._new(f"{mean}.float()")
-        if out == 1:
-            return w._new(f"(({v}.double() - {mean}[..., None]) ** 2).sum(-1).float()")
-        return w._new(f"torch.full({full[:npoint]}, float({v}.shape[-1]))")
+        return (
+            w._new(f"{mean}.float()"),
+            w._new(f"(({v}.double() - {mean}[..., None]) ** 2).sum(-1).float()"),
+            w._new(f"torch.full({full[:npoint]}, float({v}.shape[-1]))"),
+        )
     raise Unsupported(f"spyre compiler: no host code for a {kind} reduction")
 
 
@@ -239,15 +252,12 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         ir.WelfordReduction,
     ):
         raise Unsupported(f"spyre compiler: no host code for {name} ({type(data).__name__})")
-    if isinstance(buf.get_output_spec(), ir.MutationLayoutSHOULDREMOVE):
-        raise Unsupported(f"spyre compiler: no host code for {name}, a write into another buffer")
     try:
         ranges = [int(s) for s in data.ranges]
         rranges = [int(s) for s in getattr(data, "reduction_ranges", ())]
     except TypeError:
         raise Unsupported(f"spyre compiler: no host code for {name}: dynamic shapes") from None
-    reads = sorted({d.name for d in snode.read_writes.reads})
-    params = {r: f"in{i}" for i, r in enumerate(reads)}
+    params: dict[str, str] = {}  # buffer -> parameter, in the order loads read them
     # a buffer written in place by a scatter is held under that one's name
     scheduler = V.graph.scheduler
     real = getattr(scheduler, "mutation_real_name", {}) if scheduler else {}
@@ -257,22 +267,26 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     isyms = [sympy.Symbol(n, integer=True, nonnegative=True) for n in inames]
     rsyms = [sympy.Symbol(n, integer=True, nonnegative=True) for n in rnames]
     full = ranges + rranges
+    w.full, w.npoint, w.stored = full, len(ranges), None
     w.lines.extend(_grid(inames + rnames, full))
     with V.set_ops_handler(w):
-        if type(data) is ir.Pointwise:
-            value = w._arg(data.inner_fn(isyms))
-            result = w._new(f"torch.as_tensor({value}).expand({ranges})")
+        store = buf.get_store_function()
+        if rranges or type(data) is not ir.Pointwise:
+            store(isyms, rsyms)
         else:
-            value = data.inner_fn(isyms, rsyms)
-            if isinstance(value, tuple):
-                raise Unsupported(f"spyre compiler: no host code for {name}: a combined reduction")
-            out = getattr(data, "output_index", 0) if type(data) is ir.WelfordReduction else 0
-            result = _reduce(w, data.reduction_type, w._arg(value), full, len(ranges), out)
+            store(isyms)
+    if w.stored is None:
+        raise Unsupported(f"spyre compiler: no host code for {name}: it stores nothing")
+    value, index = w.stored
+    lead = ranges + [1] * len(rranges)
+    reads = list(params)
     dtype = buf.get_dtype()
     body = "\n".join(f"    {ln}" for ln in w.lines)
     src = (
         f"def forward({', '.join(params[r] for r in reads)}):\n{body}\n"
-        f"    return torch.as_tensor({result}).to({dtype}).reshape({ranges})\n"
+        f"    value = torch.as_tensor({value}).to({dtype}).expand({ranges})\n"
+        f"    index = torch.as_tensor({index}).expand({lead}).reshape({ranges})\n"
+        "    return value, index\n"
     )
     try:
         compile(src, "<spyre host node>", "exec")

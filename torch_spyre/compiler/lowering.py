@@ -413,7 +413,13 @@ class ProgramBuilder:
             self.operands[("eye", key)] = use
         buf = self._buf({str(j), *vs}, dtype, double=True)
         self.steps.append(Load(buf, use.name, (str(j), *vs)))
-        return self.matmul(block, Val(buf, frozenset({str(j), *vs}), dtype), [str(j)])
+        out = self.matmul(block, Val(buf, frozenset({str(j), *vs}), dtype), [str(j)])
+        if not dtype.is_floating_point:
+            # the PE array accumulates in fp32: a gathered mask or integer is
+            # one product per lane, exact; converted back to what was loaded
+            # (a `where` reads a bool condition)
+            out = self._vec("copy", [out], (), dtype)
+        return out
 
     def store(self, name: str, index, value, mode=None) -> None:
         if mode is not None:

@@ -46,6 +46,7 @@ import math
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
@@ -266,6 +267,16 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
         x, indices, values = node.args[:3]
         acc = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
         with gm.graph.inserting_before(node):
+            xv = x.meta.get("val")
+            if isinstance(xv, torch.Tensor) and not is_non_overlapping_and_dense_or_false(xv):
+                # an expanded tensor (stride 0): the functional op's value is a
+                # dense copy, and a write through the overlapping view would
+                # land several elements on one location
+                dense = gm.graph.call_function(
+                    torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
+                )
+                dense.meta["val"] = xv.clone(memory_format=torch.contiguous_format)
+                x = dense
             af = gm.graph.call_function(
                 torch.ops.higher_order.auto_functionalized,
                 (torch.ops.spyre.index_put_.default,),

@@ -62,6 +62,44 @@ def debug_enabled() -> bool:
     return settings.get().debug
 
 
+def _refuse_partial_writes(nodes) -> None:
+    """A node writing part of another buffer (the copy back into a view an
+    in-place op wrote through a realized copy) is not planned: fused with a
+    reader of that buffer, the group forwarded the view's old value (the
+    fuzzer's seed 201001, a wrong answer).  It runs on the host from its IR,
+    whose store index says where the part goes."""
+    for n in nodes:
+        for buf in n.get_outputs():
+            layout = buf.node.get_output_spec()
+            if not isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+                continue
+            target = layout.get_buffer()
+            if [str(x) for x in target.get_size()] != [str(x) for x in buf.node.get_size()]:
+                raise lowering.Unsupported(
+                    f"a store of {buf.get_name()} {list(buf.node.get_size())} into part of "
+                    f"{target.get_name()} {list(target.get_size())}"
+                )
+
+
+def _check_bound_shapes(plan: lowering.Plan) -> None:
+    """Every operand is bound to a wrapper tensor of the shape it was planned
+    for: a node writing part of another buffer (a copy back into a view, after
+    an in-place op on a realized view) is stored through that buffer, which
+    this planner does not express, so it degrades instead of failing on the
+    card."""
+    for u in plan.operands:
+        if u.role != "output" or not u.shape:
+            continue
+        storage = _storage_name(u.buffer)
+        if storage == u.buffer:
+            continue
+        size = tuple(int(s) for s in V.graph.get_buffer(storage).get_size())
+        if size != tuple(u.shape):
+            raise lowering.Unsupported(
+                f"a store of {u.buffer} {list(u.shape)} into part of {storage} {list(size)}"
+            )
+
+
 class SpyreScheduling(BaseScheduling):
     @classmethod
     def get_backend_features(cls, device) -> OrderedSet[BackendFeature]:
@@ -260,6 +298,7 @@ class SpyreScheduling(BaseScheduling):
                 ]
                 if outside or name in graph_outs or not users:
                     keep.add(name)
+        _refuse_partial_writes(nodes)
         run_nodes(b, nodes)
         kname = "_".join(n.get_name() for n in nodes)
         if mm is not None:
@@ -278,6 +317,7 @@ class SpyreScheduling(BaseScheduling):
             if mm.node.get_name() in graph_outs:
                 keep.add(mm.node.get_name())
         plan = b.finish(f"{label}_{kname}", keep, allow_lx=True)
+        _check_bound_shapes(plan)
         if mm is not None and commit:
             mm.absorbed = True
             for u in plan.operands:
@@ -346,7 +386,11 @@ class SpyreScheduling(BaseScheduling):
         if fname not in defined:
             defined.add(fname)
             wrapper.header.writeline(f"{fname} = spyre_rt.host_function({src!r})")
-        call = ", ".join([fname, repr(name), name, *args])
+        out = name
+        layout = snode.node.get_output_spec()
+        if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
+            out = layout.get_buffer().get_name()  # a write into part of another buffer
+        call = ", ".join([fname, repr(name), out, *args])
         wrapper.writeline(f"spyre_rt.run_host({call})  # not planned: {eager.reason[:100]}")
 
     def _emit(self, plan: lowering.Plan) -> None:

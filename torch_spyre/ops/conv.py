@@ -79,4 +79,32 @@ def _convolution(
     input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
 ):
     out = _depthwise_1d(input, weight, bias, stride, padding, dilation, transposed, groups)
-    return NotImplemented if out is None else out
+    if out is not None:
+        return out
+    from torch_spyre.runtime.fallback import host_fallback
+
+    out = host_fallback(
+        torch.ops.aten.convolution.default,
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups,
+    )  # fmt: skip
+    return _in_fake_layout(out, input, weight, bias, stride, padding, dilation, transposed,
+                           output_padding, groups)  # fmt: skip
+
+
+def _in_fake_layout(out, input, weight, bias, stride, padding, dilation, transposed,
+                    output_padding, groups):  # fmt: skip
+    """``out`` in the memory format FakeTensor gives a convolution on this
+    device (``torch._subclasses.fake_impls.conv``: the backend's choice; the
+    host kernel may pick channels-last for a permuted input): a compiled
+    graph asserts the output's strides against it."""
+    backend = torch._C._select_conv_backend(
+        input, weight, stride=stride, padding=padding, dilation=dilation,
+        transposed=transposed, output_padding=output_padding, groups=groups, bias=bias,
+    )  # fmt: skip
+    x, w = input, weight
+    if weight.dim() == 3:
+        x, w = input.contiguous().unsqueeze(2), weight.unsqueeze(2)
+    fmt = torch._C._conv_determine_backend_memory_format(x, w, backend)
+    if out.dim() == 3 and fmt == torch.channels_last:
+        return out.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
+    return out.contiguous(memory_format=fmt)

@@ -215,13 +215,12 @@ def run_host(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *inp
     buffer Inductor allocated for it."""
     dispatch_stats.record("degraded", name)
     dispatch_stats.record("fallback", f"compiled.{name}")
-    result = fn(*[_storage(t) for t in inputs])
-    if tuple(result.shape) != tuple(out.shape):
-        raise RuntimeError(
-            f"spyre compiled graph: node {name} computed on the host has shape "
-            f"{tuple(result.shape)}, its buffer {tuple(out.shape)} (a compiler bug)"
-        )
-    out.copy_(result.to(out.device))
+    value, index = fn(*[_storage(t) for t in inputs])
+    # the IR's store index addresses the output's storage: a node may write
+    # part of another buffer (a copy into a view of it)
+    flat = _storage(out)
+    flat[index.reshape(-1)] = value.reshape(-1)
+    out.copy_(flat.as_strided(out.shape, out.stride(), out.storage_offset()).to(out.device))
 
 
 def out_via_eager(op, out: torch.Tensor, *args, **kwargs) -> None:
