@@ -23,6 +23,7 @@ def register() -> None:
         normalization,
         paged_attention,
         quantized,
+        recurrent,
         reductions,
         registry,
         ssm,
