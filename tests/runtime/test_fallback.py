@@ -233,3 +233,35 @@ def test_cuda_only_fused_cells_run_through_their_host_twins():
     n = (in_ + r * hn).tanh()
     torch.testing.assert_close(hy.cpu(), (1 - z) * n + z * hx, rtol=1e-5, atol=1e-6)
     assert _count("_thnn_fused_lstm_cell") == 1 and _count("_thnn_fused_gru_cell") == 1
+
+
+def test_batch_norm_on_an_empty_batch_keeps_the_cards_dtypes():
+    # ATen's composite batch norm gives an empty batch float64 statistics (the
+    # CPU's accumulation type) on any device that is not CUDA (ops/composite.py)
+    bn = torch.nn.BatchNorm2d(5, track_running_stats=False).eval()
+    x = torch.randn(0, 5, 2, 2)
+    out = bn.to("spyre")(x.to("spyre"))
+    assert out.shape == (0, 5, 2, 2) and out.device.type == "spyre"
+
+
+def test_batch_norm_training_keeps_its_gradients():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    x = torch.randn(6, 4)
+    bn(x).pow(2).sum().backward()
+    ref = bn.weight.grad.clone()
+    bn.weight.grad = None
+    bn.to("spyre")
+    with fallback_policy("silent"):
+        bn(x.to("spyre")).pow(2).sum().backward()
+    torch.testing.assert_close(bn.weight.grad.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_nested_result_of_the_host_is_a_clear_error():
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 1).eval().to("spyre")
+    src = torch.randn(2, 3, 4).to("spyre")
+    mask = torch.tensor([[False, False, True], [False, False, False]]).to("spyre")
+    with torch.no_grad(), fallback_policy("silent"):
+        with pytest.raises(NotImplementedError, match="nested tensor, which the card does not"):
+            enc(src, src_key_padding_mask=mask)

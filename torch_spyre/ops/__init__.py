@@ -14,6 +14,7 @@ def register() -> None:
         adapters,
         attention,
         complex_ops,
+        composite,
         conv,
         counting,
         dispatch,
@@ -32,6 +33,7 @@ def register() -> None:
 
     registry.register()  # the kernels the modules above declared
     attention.register()
+    composite.register()
     quantized.register()
 
     everything = torch.library.Library("_", "IMPL")

@@ -249,6 +249,12 @@ def run_on_values(op, args, kwargs, pcie: bool):
                 written[id(c)] = dst
 
     def to_spyre(o):
+        if isinstance(o, torch.Tensor) and (o.is_nested or o.layout != torch.strided):
+            raise NotImplementedError(
+                f"aten.{str(op).removeprefix('aten.')} ran on the host and returned a "
+                f"{'nested' if o.is_nested else str(o.layout)} tensor, which the card does not "
+                f"hold (it stores strided tensors only): run this step on the CPU"
+            )
         if isinstance(o, torch.Tensor):
             if id(o) in written:
                 return written[id(o)]
