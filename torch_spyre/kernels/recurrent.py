@@ -223,7 +223,9 @@ def recurrent_step(
             Load(f"x{gi}", "xp", (None, None, "b", "n"), ln, offsets=(t, gi, 0, 0)),
         ]
         buffers += [
-            Buffer(f"w{gi}", ("n", "k"), dtype, pn * (tile_n or en) < h),
+            # several hidden tiles per core: the next weight tile streams in
+            # while this one is used
+            Buffer(f"w{gi}", ("n", "k"), dtype, (tile_n or en) < en),
             Buffer(f"a{gi}", ("b", "n"), _F32),
             Buffer(f"x{gi}", ("b", "n"), dtype),
         ]
