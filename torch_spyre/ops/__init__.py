@@ -35,6 +35,7 @@ def register() -> None:
     attention.register()
     composite.register()
     quantized.register()
+    recurrent.register()
 
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(entry(dispatch.catch_all), "PrivateUse1")

@@ -246,7 +246,49 @@ def _cell(mode):
     return run
 
 
-for _mode in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
-    kernel(f"{_mode}.input")(_padded(_mode))
-    kernel(f"{_mode}.data")(_packed(_mode))
-    kernel(f"{_mode}_cell")(_cell(_mode))
+_OVERLOADS = [
+    name
+    for mode in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+    for name in (f"{mode}.input", f"{mode}.data", f"{mode}_cell")
+]
+for _name in _OVERLOADS:
+    _mode, _, _kind = _name.partition(".")
+    kernel(_name)(
+        _cell(_mode.removesuffix("_cell")) if not _kind else _padded(_mode) if _kind == "input"
+        else _packed(_mode)
+    )  # fmt: skip
+
+_libs: list[torch.library.Library] = []
+
+
+def _autograd(op):
+    """The autograd kernel: with a gradient to compute, the composite form (its
+    small ops on the card, the fused cells through the host, each counted);
+    without, the programs above."""
+
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in torch.utils._pytree.tree_flatten((args, kwargs))[0]
+        ):
+            return op.decompose(*args, **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args, **kwargs)
+
+    return run
+
+
+def register() -> None:
+    """Autograd kernels for the overloads served here: a kernel for PrivateUse1
+    alone would leave their autograd key without the composite, and a backward
+    through them would silently give no gradient."""
+    if _libs:
+        return
+    from torch_spyre.runtime.registration import entry
+
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _OVERLOADS:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        lib.impl(name, entry(_autograd(op)), "AutogradPrivateUse1")
+    _libs.append(lib)

@@ -348,12 +348,52 @@ def _fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=
     return hy, torch.cat([r, z, n, hn, hx], 1)
 
 
+def _fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    """``aten::_thnn_fused_lstm_cell_backward_impl`` (CUDA only): the gradient of
+    the gate pre-activations (and of cx, and of the bias) from the workspace
+    [i, f, g, o] of the forward."""
+    i, f, g, o = workspace.chunk(4, 1)
+    tanh_cy = cy.tanh()
+    gh = grad_hy if grad_hy is not None else torch.zeros_like(cy)
+    gc = gh * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        gc = gc + grad_cy
+    grad_gates = torch.cat(
+        [
+            gc * g * i * (1 - i),
+            gc * cx * f * (1 - f),
+            gc * i * (1 - g * g),
+            gh * tanh_cy * o * (1 - o),
+        ],
+        1,
+    )
+    grad_bias = grad_gates.sum(0) if has_bias else None
+    return grad_gates, gc * f, grad_bias
+
+
+def _fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    """``aten::_thnn_fused_gru_cell_backward`` (CUDA only): gradients of the input
+    and hidden gates, of hx and of the biases from the workspace
+    [r, z, n, hidden n, hx]."""
+    r, z, n, hn, hx = workspace.chunk(5, 1)
+    dn = grad_hy * (1 - z) * (1 - n * n)
+    dz = grad_hy * (hx - n) * z * (1 - z)
+    dr = dn * hn * r * (1 - r)
+    grad_input = torch.cat([dr, dz, dn], 1)
+    grad_hidden = torch.cat([dr, dz, dn * r], 1)
+    bias = (grad_input.sum(0), grad_hidden.sum(0)) if has_bias else (None, None)
+    return grad_input, grad_hidden, grad_hy * z, *bias
+
+
 #: host implementations of ops PyTorch has only for CUDA, which the composite
 #: forms of ops dispatch to for every device but the CPU (``lstm_cell`` and
 #: ``gru_cell`` on a PrivateUse1 device call the fused cells)
 HOST_TWINS = {
     "aten::_thnn_fused_lstm_cell": _fused_lstm_cell,
     "aten::_thnn_fused_gru_cell": _fused_gru_cell,
+    # their backwards (the autograd formulas of the fused cells call them)
+    "aten::_thnn_fused_lstm_cell_backward_impl": _fused_lstm_cell_backward,
+    "aten::_thnn_fused_gru_cell_backward": _fused_gru_cell_backward,
 }
 
 
