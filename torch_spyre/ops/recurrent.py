@@ -21,7 +21,8 @@ in training mode is not served (the host fallback runs it, counted).
 
 Under ``torch.compile`` Dynamo does not trace RNN modules
 (``torch._dynamo.config.allow_rnn`` is off): the layer runs as these eager
-programs between the compiled graphs.
+programs between the compiled graphs (with ``allow_rnn`` the compiler gets
+the decomposed recurrence instead).
 """
 
 from __future__ import annotations
