@@ -229,7 +229,7 @@ def recurrent_step(
             Buffer(f"a{gi}", ("b", "n"), _F32),
             Buffer(f"x{gi}", ("b", "n"), dtype),
         ]
-    need_hp = mode != "lstm" or (masked and not proj)
+    need_hp = mode == "gru" or (masked and not proj)
     if need_hp:  # the previous state by hidden unit (GRU's blend, a mask's)
         steps.append(Load("hp", "hs", (None, "b", "n"), ln, offsets=(row_in, 0, 0)))
         buffers.append(Buffer("hp", ("b", "n"), dtype))
