@@ -172,3 +172,96 @@ def test_eager_kernels_after_a_graph_break_are_not_traced_by_dynamo():
     assert counters["frames"]["total"] <= 3, dict(counters["frames"])
     torch.testing.assert_close(got.cpu(), f(x), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+# --- the host never runs a CPU kernel on device tensors (issue 28) ----------------------
+
+
+@torch.library.custom_op("fallback_test::nested", mutates_args=(), device_types="cpu")
+def _nested(xs: list[torch.Tensor], scale: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    for t in (*xs, y, *([scale] if scale is not None else [])):
+        assert t.device.type == "cpu", t.device
+    out = sum(xs) + y
+    return out * scale if scale is not None else out
+
+
+@torch.library.custom_op("fallback_test::cuda_only", mutates_args=(), device_types="cuda")
+def _cuda_only(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_tensor_lists_and_optional_tensors_reach_the_host_as_host_tensors():
+    xs = [torch.randn(3, 5) for _ in range(3)]
+    y, s = torch.randn(3, 5), torch.randn(3, 5)
+    with fallback_policy("silent"):
+        out = torch.ops.fallback_test.nested(
+            [x.to("spyre") for x in xs], s.to("spyre"), y.to("spyre")
+        )
+        out_none = torch.ops.fallback_test.nested([x.to("spyre") for x in xs], None, y.to("spyre"))
+    assert out.device.type == "spyre"
+    torch.testing.assert_close(out.cpu(), (sum(xs) + y) * s)
+    torch.testing.assert_close(out_none.cpu(), sum(xs) + y)
+    assert torch_spyre.fallback_counts().get("fallback_test.nested.default") == 2
+
+
+def test_an_op_without_a_cpu_kernel_is_a_clear_error():
+    with fallback_policy("silent"), pytest.raises(NotImplementedError, match="no CPU kernel"):
+        torch.ops.fallback_test.cuda_only(torch.randn(3).to("spyre"))
+
+
+def test_cuda_only_fused_cells_run_through_their_host_twins():
+    # PyTorch has these fused cells only for CUDA; lstm_cell / gru_cell call them
+    # for every device but the CPU
+    torch.manual_seed(0)
+    b, h = 3, 5
+    ig, hg, cx = torch.randn(b, 4 * h), torch.randn(b, 4 * h), torch.randn(b, h)
+    bi, bh = torch.randn(4 * h), torch.randn(4 * h)
+    sp = [t.to("spyre") for t in (ig, hg, cx, bi, bh)]
+    with fallback_policy("silent"):
+        hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(*sp)
+    i, f, g, o = (ig + hg + bi + bh).chunk(4, 1)
+    c_ref = f.sigmoid() * cx + i.sigmoid() * g.tanh()
+    torch.testing.assert_close(cy.cpu(), c_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hy.cpu(), o.sigmoid() * c_ref.tanh(), rtol=1e-5, atol=1e-6)
+    ig3, hg3, hx = torch.randn(b, 3 * h), torch.randn(b, 3 * h), torch.randn(b, h)
+    sp = [t.to("spyre") for t in (ig3, hg3, hx)]
+    with fallback_policy("silent"):
+        hy, _ = torch.ops.aten._thnn_fused_gru_cell(*sp)
+    ir, iz, in_ = ig3.chunk(3, 1)
+    hr, hz, hn = hg3.chunk(3, 1)
+    r, z = (ir + hr).sigmoid(), (iz + hz).sigmoid()
+    n = (in_ + r * hn).tanh()
+    torch.testing.assert_close(hy.cpu(), (1 - z) * n + z * hx, rtol=1e-5, atol=1e-6)
+    assert _count("_thnn_fused_lstm_cell") == 1 and _count("_thnn_fused_gru_cell") == 1
+
+
+def test_batch_norm_on_an_empty_batch_keeps_the_cards_dtypes():
+    # ATen's composite batch norm gives an empty batch float64 statistics (the
+    # CPU's accumulation type) on any device that is not CUDA (ops/composite.py)
+    bn = torch.nn.BatchNorm2d(5, track_running_stats=False).eval()
+    x = torch.randn(0, 5, 2, 2)
+    out = bn.to("spyre")(x.to("spyre"))
+    assert out.shape == (0, 5, 2, 2) and out.device.type == "spyre"
+
+
+def test_batch_norm_training_keeps_its_gradients():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    x = torch.randn(6, 4)
+    bn(x).pow(2).sum().backward()
+    ref = bn.weight.grad.clone()
+    bn.weight.grad = None
+    bn.to("spyre")
+    with fallback_policy("silent"):
+        bn(x.to("spyre")).pow(2).sum().backward()
+    torch.testing.assert_close(bn.weight.grad.cpu(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_nested_result_of_the_host_is_a_clear_error():
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 1).eval().to("spyre")
+    src = torch.randn(2, 3, 4).to("spyre")
+    mask = torch.tensor([[False, False, True], [False, False, False]]).to("spyre")
+    with torch.no_grad(), fallback_policy("silent"):
+        with pytest.raises(NotImplementedError, match="nested tensor, which the card does not"):
+            enc(src, src_key_padding_mask=mask)

@@ -154,3 +154,21 @@ def test_best_matmul_is_no_slower_than_the_default_split():
     # a deep-K problem is best split over K, with a ring all-reduce
     p = K.best_matmul(64, 64, 32768)
     assert p.dim("k").cores > 1 and any(s.kind == "allreduce" for s in p.steps)
+
+
+def test_compulsory_bytes_count_the_blocks_a_program_touches():
+    """A program that reads one timestep of a sequence operand (``offsets``)
+    must move that step's bytes, not the whole sequence's: its roofline does
+    not grow with the sequence (kernels/recurrent.py)."""
+    from torch_spyre.kernels import recurrent
+
+    reps = [
+        estimate(recurrent.recurrent_step("lstm", 8, 64, 64, t, 0, split=(1, 2)), CFG)
+        for t in (2, 64)
+    ]
+    assert reps[0].compulsory_bytes == reps[1].compulsory_bytes
+    assert reps[0].roofline_time_s == reps[1].roofline_time_s
+    assert reps[1].attainment <= 1.0
+    # an operand read whole still counts its padded size
+    mm = K.matmul(64, 100, 48)
+    assert estimate(mm, CFG).compulsory_bytes == sum(o.layout.nbytes for o in mm.operands)

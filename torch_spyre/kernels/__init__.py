@@ -24,6 +24,7 @@ cost with the timing model, keep the fastest).  Where things are:
 ``moe``             mixture-of-experts experts as one grouped program
 ``ssd``             Mamba-2 scans (chunked and single step), the gated norm
 ``ssm``             the causal depthwise conv1d
+``recurrent``       RNN/LSTM/GRU: the input projection, one timestep
 ``splits``          core counts for a dim of whole sticks
 ==================  ==========================================================
 

@@ -14,6 +14,7 @@ def register() -> None:
         adapters,
         attention,
         complex_ops,
+        composite,
         conv,
         counting,
         dispatch,
@@ -23,6 +24,7 @@ def register() -> None:
         normalization,
         paged_attention,
         quantized,
+        recurrent,
         reductions,
         registry,
         ssm,
@@ -31,7 +33,9 @@ def register() -> None:
 
     registry.register()  # the kernels the modules above declared
     attention.register()
+    composite.register()
     quantized.register()
+    recurrent.register()
 
     everything = torch.library.Library("_", "IMPL")
     everything.fallback(entry(dispatch.catch_all), "PrivateUse1")

@@ -196,13 +196,17 @@ def run_on_values(op, args, kwargs, pcie: bool):
     schema = op._schema
     label = f"fallback {op}"
     originals: dict[int, torch.Tensor] = {}
+    copied: dict[int, torch.Tensor] = {}  # one host copy per device tensor
 
     def to_cpu(a):
         if isinstance(a, torch.Tensor) and a.device.type == "spyre":
+            if id(a) in copied:
+                return copied[id(a)]
             cpu = access.read(a)
             if pcie:
                 cards.record_transfer(a.device.index, "d2h", access.device_nbytes(a), label)
             originals[id(cpu)] = a
+            copied[id(a)] = cpu
             return cpu
         if isinstance(a, torch.device) and a.type == "spyre":
             return torch.device("cpu")
@@ -212,12 +216,14 @@ def run_on_values(op, args, kwargs, pcie: bool):
 
     cpu_args = tree_map(to_cpu, args)
     cpu_kwargs = tree_map(to_cpu, kwargs)
+    _check_on_host(op, cpu_args, cpu_kwargs)
+    run = host_kernel(op)
     seeded = torch.Tag.nondeterministic_seeded in op.tags
     if seeded:
         with _device_rng(device):
-            out = op(*cpu_args, **cpu_kwargs)
+            out = run(*cpu_args, **cpu_kwargs)
     else:
-        out = op(*cpu_args, **cpu_kwargs)
+        out = run(*cpu_args, **cpu_kwargs)
     _sync_generators(args, kwargs, cpu_args, cpu_kwargs)
 
     # write back every argument the op mutates
@@ -243,6 +249,12 @@ def run_on_values(op, args, kwargs, pcie: bool):
                 written[id(c)] = dst
 
     def to_spyre(o):
+        if isinstance(o, torch.Tensor) and (o.is_nested or o.layout != torch.strided):
+            raise NotImplementedError(
+                f"aten.{str(op).removeprefix('aten.')} ran on the host and returned a "
+                f"{'nested' if o.is_nested else str(o.layout)} tensor, which the card does not "
+                f"hold (it stores strided tensors only): run this step on the CPU"
+            )
         if isinstance(o, torch.Tensor):
             if id(o) in written:
                 return written[id(o)]
@@ -262,6 +274,127 @@ def run_on_values(op, args, kwargs, pcie: bool):
         return o
 
     return tree_map(to_spyre, out)
+
+
+def _check_on_host(op, cpu_args, cpu_kwargs) -> None:
+    """No device tensor may reach a CPU kernel (nested lists, tensor lists,
+    optional tensors included: ``tree_map`` walks them all)."""
+    for a in tree_flatten((cpu_args, cpu_kwargs))[0]:
+        if isinstance(a, torch.Tensor) and a.device.type != "cpu":
+            raise RuntimeError(
+                f"spyre host fallback of {op}: an argument on {a.device} was not copied "
+                f"to the host ({a.dtype}{list(a.shape)})"
+            )
+
+
+def host_kernel(op):
+    """What runs ``op`` on the host: its CPU kernel (a composite one included),
+    else its decomposition from ``torch._decomp``, else a host twin of an op
+    PyTorch only implements for CUDA (``HOST_TWINS``).  An op with none of
+    these raises, naming the op: a CPU kernel that does not exist is never
+    called."""
+    run = _host_kernels.get(op)
+    if run is None:
+        name = op.name()
+        if torch._C._dispatch_has_computed_kernel_for_dispatch_key(name, "CPU"):
+            run = op
+        elif name in HOST_TWINS:
+            run = HOST_TWINS[name]
+        else:
+            from torch._decomp import decomposition_table
+
+            run = decomposition_table.get(op)
+        if run is None:
+            raise NotImplementedError(
+                f"spyre has no kernel for aten.{str(op).removeprefix('aten.')} and PyTorch "
+                f"has no CPU kernel or decomposition for it to run on the host: move the "
+                f"tensors to the CPU and call the op's CPU counterpart"
+            )
+        _host_kernels[op] = run
+    return run
+
+
+_host_kernels: dict = {}
+
+
+def _fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    """``aten::_thnn_fused_lstm_cell`` (CUDA only in PyTorch): the gates i, f, g, o
+    of ``LSTMCell`` from the two projections; returns (hy, cy, workspace)."""
+    gates = input_gates + hidden_gates
+    if input_bias is not None:
+        gates = gates + input_bias
+    if hidden_bias is not None:
+        gates = gates + hidden_bias
+    i, f, g, o = gates.chunk(4, 1)
+    i, f, g, o = i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+    cy = f * cx + i * g
+    hy = o * cy.tanh()
+    return hy, cy, torch.cat([i, f, g, o], 1)
+
+
+def _fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
+    """``aten::_thnn_fused_gru_cell`` (CUDA only in PyTorch): r, z, n of ``GRUCell``;
+    returns (hy, workspace [r, z, n, hidden n, hx])."""
+    if input_bias is not None:
+        input_gates = input_gates + input_bias
+    if hidden_bias is not None:
+        hidden_gates = hidden_gates + hidden_bias
+    ir, iz, in_ = input_gates.chunk(3, 1)
+    hr, hz, hn = hidden_gates.chunk(3, 1)
+    r = (ir + hr).sigmoid()
+    z = (iz + hz).sigmoid()
+    n = (in_ + r * hn).tanh()
+    hy = n + z * (hx - n)
+    return hy, torch.cat([r, z, n, hn, hx], 1)
+
+
+def _fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    """``aten::_thnn_fused_lstm_cell_backward_impl`` (CUDA only): the gradient of
+    the gate pre-activations (and of cx, and of the bias) from the workspace
+    [i, f, g, o] of the forward."""
+    i, f, g, o = workspace.chunk(4, 1)
+    tanh_cy = cy.tanh()
+    gh = grad_hy if grad_hy is not None else torch.zeros_like(cy)
+    gc = gh * o * (1 - tanh_cy * tanh_cy)
+    if grad_cy is not None:
+        gc = gc + grad_cy
+    grad_gates = torch.cat(
+        [
+            gc * g * i * (1 - i),
+            gc * cx * f * (1 - f),
+            gc * i * (1 - g * g),
+            gh * tanh_cy * o * (1 - o),
+        ],
+        1,
+    )
+    grad_bias = grad_gates.sum(0) if has_bias else None
+    return grad_gates, gc * f, grad_bias
+
+
+def _fused_gru_cell_backward(grad_hy, workspace, has_bias):
+    """``aten::_thnn_fused_gru_cell_backward`` (CUDA only): gradients of the input
+    and hidden gates, of hx and of the biases from the workspace
+    [r, z, n, hidden n, hx]."""
+    r, z, n, hn, hx = workspace.chunk(5, 1)
+    dn = grad_hy * (1 - z) * (1 - n * n)
+    dz = grad_hy * (hx - n) * z * (1 - z)
+    dr = dn * hn * r * (1 - r)
+    grad_input = torch.cat([dr, dz, dn], 1)
+    grad_hidden = torch.cat([dr, dz, dn * r], 1)
+    bias = (grad_input.sum(0), grad_hidden.sum(0)) if has_bias else (None, None)
+    return grad_input, grad_hidden, grad_hy * z, *bias
+
+
+#: host implementations of ops PyTorch has only for CUDA, which the composite
+#: forms of ops dispatch to for every device but the CPU (``lstm_cell`` and
+#: ``gru_cell`` on a PrivateUse1 device call the fused cells)
+HOST_TWINS = {
+    "aten::_thnn_fused_lstm_cell": _fused_lstm_cell,
+    "aten::_thnn_fused_gru_cell": _fused_gru_cell,
+    # their backwards (the autograd formulas of the fused cells call them)
+    "aten::_thnn_fused_lstm_cell_backward_impl": _fused_lstm_cell_backward,
+    "aten::_thnn_fused_gru_cell_backward": _fused_gru_cell_backward,
+}
 
 
 def _sync_generators(args, kwargs, cpu_args, cpu_kwargs) -> None:

@@ -42,6 +42,7 @@ from torch_spyre.ir import (
     transfer_dims,
 )
 from torch_spyre.ir import vector_ops as ops_mod
+from torch_spyre.layout import SpyreTensorLayout, ceil_div
 
 UNITS = ("dma", "pe", "vector", "ring")
 
@@ -363,6 +364,44 @@ def _cores(p: Program, sticky: tuple[str, ...] | None) -> tuple[list[int], list[
 _REPORTS: dict[tuple, KernelReport] = {}
 
 
+def compulsory_bytes(p: Program) -> int:
+    """The bytes a program must move at least: every operand once, or for an
+    operand it only reads or writes in sub-blocks (``offsets`` and dims of its
+    own smaller than the operand's: one timestep of a sequence, some rows of
+    a cache), those blocks.  A block's share of the operand is taken in whole
+    sticks along the stick dim, so an operand read whole counts its padded
+    size, as before."""
+    total = 0
+    for o in p.operands:
+        host = o.layout.host_size
+        nbytes = o.layout.nbytes
+        access = [s for s in p.steps if isinstance(s, (Load, Store)) and s.operand == o.name]
+        if (
+            not access
+            or not host
+            or any(s.rows is not None for s in access)
+            or o.layout != SpyreTensorLayout.default(host, o.layout.dtype)
+        ):
+            total += nbytes
+            continue
+        se = o.layout.stick_elems
+        blocks = set()
+        for s in access:
+            ext = tuple(1 if d is None else p.dim(d).size for d in s.index)
+            blocks.add((tuple(s.offsets) or (0,) * len(ext), ext))
+        share = 0.0
+        for _, ext in blocks:
+            f = 1.0
+            for i, (e, h) in enumerate(zip(ext, host)):
+                if i == len(host) - 1:
+                    f *= min(1.0, ceil_div(e, se) / max(1, ceil_div(h, se)))
+                else:
+                    f *= min(1.0, e / max(1, h))
+            share += f
+        total += min(nbytes, int(round(nbytes * share)))
+    return total
+
+
 def estimate(program: Program, config: HardwareConfig | None = None) -> KernelReport:
     """Model one run of ``program`` on ``config`` (default: the card)."""
     cfg = config or HardwareConfig()
@@ -470,7 +509,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
     mm = next((s for s in p.steps if isinstance(s, Matmul)), None)
     mm_dtype = p.buffer(mm.a).dtype if mm is not None else torch.float16
     mm_b_dtype = p.buffer(mm.b).dtype if mm is not None else None
-    compulsory = sum(o.layout.nbytes for o in p.operands)
+    compulsory = compulsory_bytes(p)
     roof = max(
         compulsory / cfg.memory_bandwidth_Bps,
         flops / cfg.peak_flops(mm_dtype, b_dtype=mm_b_dtype),

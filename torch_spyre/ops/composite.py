@@ -1,0 +1,58 @@
+"""Composite aten ops whose implementation assumes the CPU for any tensor that
+is not on CUDA, served before that assumption reaches a spyre tensor.
+
+A ``CompositeImplicitAutograd`` op runs its C++ body on whatever device its
+tensors are on.  A few of those bodies branch on ``is_cuda()`` and otherwise
+take the CPU's choices, which the card cannot honour:
+
+* ``_batch_norm_impl_index`` (every ``F.batch_norm``) on an empty input
+  allocates its saved statistics in the *CPU's* accumulation type of float,
+  float64, which the card does not store.  The card's accumulation type is
+  fp32 (docs/hardware.md, "dtypes"); an empty batch gets fp32 statistics.
+  Any other input takes the composite body unchanged.
+
+It is registered for the PrivateUse1 key and its autograd key,
+calling the composite body (``op.decompose``) wherever it does not step in,
+so autograd through it is what the composite gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_spyre.runtime import dispatch_stats
+
+_libs: list[torch.library.Library] = []
+
+
+def _batch_norm_impl_index(input, weight, bias, running_mean, running_var, training, *rest):
+    op = torch.ops.aten._batch_norm_impl_index.default
+    if input.device.type != "spyre" or input.numel() != 0:
+        return op.decompose(input, weight, bias, running_mean, running_var, training, *rest)
+    # ATen's own empty-input branch, with fp32 statistics
+    c = input.shape[1] if input.dim() > 1 else 1
+    f32 = {"dtype": torch.float32, "device": input.device}
+    out = input.clone()
+    if weight is not None:
+        out = out * weight[0]
+    if bias is not None:
+        out = out + bias[0]
+    dispatch_stats.record("kernel", "_batch_norm_impl_index")
+    return (
+        out,
+        torch.empty(c, **f32),
+        torch.empty(c, **f32),
+        torch.empty(0, dtype=torch.uint8, device=input.device),
+        0,
+    )
+
+
+def register() -> None:
+    if _libs:
+        return
+    from torch_spyre.runtime.registration import entry
+
+    lib = torch.library.Library("aten", "IMPL")
+    for key in ("PrivateUse1", "AutogradPrivateUse1"):
+        lib.impl("_batch_norm_impl_index", entry(_batch_norm_impl_index), key)
+    _libs.append(lib)
