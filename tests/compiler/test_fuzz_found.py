@@ -278,6 +278,32 @@ def test_host_convolutions_have_the_layout_fake_tensors_give(case):
         _check(fn, torch.rand(1, 3, 1), torch.rand(2, 1, 3) - 0.5)
 
 
+def test_a_tensor_broadcast_against_itself(spyre_settings):
+    """Seed 202316: ``maximum(x, x[None, :, None])`` reads x at two indices of
+    one node; the planner reused the first load for the second and unified
+    the two index variables (max(x_i, x_i) for max(x_j, x_i)): a wrong
+    answer.  Two distinct variables of one node are never unified."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x):
+        return torch.linalg.vector_norm(torch.maximum(x, x[None, :, None]), 2, [2])
+
+    _check(fn, torch.rand(8) * 4 - 2)
+
+
+def test_a_pooling_reader_of_a_buffer_in_another_layout():
+    """Seed 201838: softmax then avg_pool2d: the softmax's output was stored
+    in another stick dim (its readers costed cheaper so), but the pooling
+    read it in pieces of the default layout: a wrong answer.  A read in
+    pieces refuses a buffer stored in another layout, so that layout is
+    not chosen."""
+
+    def fn(x):
+        return F.avg_pool2d(F.softmax(x, -1), 4, 1, 0)
+
+    _check(fn, torch.rand(3, 8, 11, 5) * 2)
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -282,8 +282,11 @@ class ProgramBuilder:
             for a, b in zip(pf, factors):
                 if [self.ranges[v] for v in a] != [self.ranges[v] for v in b]:
                     raise Unsupported(f"{name} is read in another shape than it was written")
-                for x, y in zip(a, b):
-                    self.uf.union(x, y)
+            pairs = [(x, y) for a, b in zip(pf, factors) for x, y in zip(a, b)]
+            if not self._one_iteration(pairs):
+                raise Unsupported(f"{name} is read at other indices than it was written")
+            for x, y in pairs:
+                self.uf.union(x, y)
             return val
         return self._load_parts(name, factors, offs, size, dtype, share)
 
@@ -292,12 +295,20 @@ class ProgramBuilder:
         idx = self._index(factors)
         key = ("load", use.name) if share else ("load-private", len(self.steps))
         hit = self.cse.get(key)
+        pairs = [
+            (x, y)
+            for x, y in zip(self.load_index.get(use.name, ()), idx)
+            if x is not None and y is not None
+        ]
+        if hit is not None and not self._one_iteration(pairs):
+            # the same operand at other indices of this node (x[i] * x[j],
+            # a broadcast of a tensor against itself): another load
+            hit, key = None, ("load-again", len(self.steps))
         if hit is not None:
             # the same operand loaded again (by a later node of the group): reuse
             # the tile already in LX, its dims are this node's dims
-            for x, y in zip(self.load_index[use.name], idx):
-                if x is not None and y is not None:
-                    self.uf.union(x, y)
+            for x, y in pairs:
+                self.uf.union(x, y)
             return hit
         dims = frozenset(d for d in idx if d is not None)
         buf = self._buf(dims, dtype, double=True)
@@ -306,6 +317,17 @@ class ProgramBuilder:
         self.cse[key] = val
         self.load_index[use.name] = idx
         return val
+
+    def _one_iteration(self, pairs) -> bool:
+        """Whether the index variables ``pairs`` name may be unified: a variable
+        of an earlier node of the group is this node's corresponding one, but
+        two distinct variables of this node are different elements."""
+        mine = {self.uf.find(v) for v in self.node_vars}
+        return all(
+            self.uf.find(x) == self.uf.find(y)
+            or not (self.uf.find(x) in mine and self.uf.find(y) in mine)
+            for x, y in pairs
+        )
 
     def _lane(self, name: str, factors, offs, size, dtype, se: int) -> Val:
         """One element of a stick (``x[..., 3]``: Inductor unrolls reductions
@@ -334,6 +356,9 @@ class ProgramBuilder:
         key = ("pieces", name, tuple(tuple(ps) for ps, _, _ in dims), offs)
         use = self.operands.get(key)
         if use is None:
+            stored = _stored_layout(name)
+            if stored is not None:  # pieces are views of the default layout only
+                raise Unsupported(f"a view of {name} in pieces, which is stored in {stored}")
             lay, start = view_layout(tuple(size), dtype, [ps for ps, _, _ in dims])
             if start or lay.device_numel != _default_numel(size, dtype):
                 raise Unsupported(f"a view of {name} in pieces {psizes}")

@@ -248,6 +248,7 @@ def run_nodes(b: lowering.ProgramBuilder, nodes, factors: dict | None = None) ->
         vars_ = _node_vars(b, "x", pw, splits, 0)
         rvars = _node_vars(b, "r", red, splits, len(pw))
         b.node_rvars = sorted({x.name for v in rvars for x in sympy.sympify(v).free_symbols})
+        b.node_vars = [x.name for v in (*vars_, *rvars) for x in sympy.sympify(v).free_symbols]
         store = n.node.get_store_function()
         with V.set_ops_handler(b):
             if red:
