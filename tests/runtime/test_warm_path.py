@@ -495,3 +495,17 @@ def test_rebuilt_cards_get_their_launches():
         assert cards.card(0).stats()["kernels"] == 2
     finally:
         reset_cards()
+
+
+def test_a_full_kernel_cache_is_cleared_before_a_build(monkeypatch):
+    """Clearing the cache forgets the vector ops the eager layer registered.
+    It ran after a build, so the kernel just built named an op that no
+    longer existed ("unknown vector op" at launch: the fuzzer's long run,
+    after 8192 kernels).  Now it runs before the build."""
+    monkeypatch.setattr(launch, "MAX_KERNELS", 3)
+    launch.clear_cache()
+    x = torch.randn(4, 40)
+    d = x.to("spyre")
+    for k in range(8):  # each scalar is its own kernel and vector op
+        torch.testing.assert_close((d * (k + 0.5) + k).cpu(), x * (k + 0.5) + k)
+    launch.clear_cache()

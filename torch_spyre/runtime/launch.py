@@ -96,6 +96,10 @@ _cache: dict[Any, Kernel] = {}
 _stats = {"hits": 0, "misses": 0}
 
 
+#: kernels kept before the cache is cleared
+MAX_KERNELS = 8192
+
+
 def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
     """The cached kernel for ``key``; ``build()`` on a miss.
 
@@ -105,6 +109,12 @@ def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
     """
     k = _cache.get(key)
     if k is None:
+        if len(_cache) >= MAX_KERNELS:
+            # before the build: clearing forgets the vector ops the eager
+            # layer registered, and the new kernel's program may name one it
+            # registers now (cleared after, it failed at launch: "unknown
+            # vector op", found by the fuzzer's long run)
+            clear_cache()
         _stats["misses"] += 1
         k = build()
         if k.program is not None:
@@ -112,8 +122,6 @@ def kernel(key: Any, build: Callable[[], Kernel]) -> Kernel:
                 k.report(0)
             except ProgramError as err:
                 k = Kernel(None, {**k.info, "rejected": str(err)})  # type: ignore[arg-type]
-        if len(_cache) > 8192:
-            clear_cache()
         _cache[key] = k
     else:
         _stats["hits"] += 1
