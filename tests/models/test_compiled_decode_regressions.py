@@ -91,3 +91,29 @@ def test_degraded_rotary_decodes_like_the_cpu(model_type):
     torch._dynamo.reset()
     assert res.verdict == "match" and res.max_diff < 1e-6, (res.error, res.max_diff)
     assert res.degraded.get("eager", 0) > 0 and res.host_fallbacks == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["falcon_h1", "deepseek_v4"])
+def test_sweep_silent_wrong_answers_are_fixed(model_type):
+    """The two silent wrong answers the full architecture sweep left.
+
+    Falcon-H1's decode: the Mamba layer's conv state is rewritten in place
+    (a graph input mutation); nodes reading its old value ran as eager
+    kernels re-run from the graph input, after the wrapper had already
+    written the new state (compiler/eager_nodes.py: such reads now run on
+    the host from the IR, whose reads Inductor orders).  DeepSeek-V4: the
+    compressor's -inf block mask was cat'ed onto the attention mask by lane
+    placement, a matmul, and -inf * 0 is NaN (compiler/passes.py:
+    may_be_infinite)."""
+    from torch_spyre.tools.archsweep.configs import model_types
+
+    mt = {m.name: m for m in model_types()}[model_type]
+    model = run.build(mt)
+    ids = run._inputs(model)
+    ref = run.reference(model, ids)
+    torch._dynamo.reset()
+    res = run.run_path(model, ref, ids, compile=True)
+    torch._dynamo.reset()
+    assert res.verdict == "match" and res.max_diff < 1e-5, (res.error, res.max_diff)
+    assert res.token_flips == 0

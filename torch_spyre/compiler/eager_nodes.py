@@ -177,40 +177,56 @@ def _storage(n: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
-def _written_after(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
-    """Storage root -> graph position of the first in-place op writing it."""
-    first: dict[torch.fx.Node, int] = {}
+def _writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[int]]:
+    """Storage root -> graph positions of the in-place ops writing it."""
+    out: dict[torch.fx.Node, list[int]] = {}
     for pos, n in enumerate(graph.nodes):
         if n.op == "call_function" and _mutates(n):
             for i in _mutated_args(n):
                 a = n.args[i]
                 if isinstance(a, torch.fx.Node):
-                    first.setdefault(_storage(a)[-1], pos)
-    return first
+                    out.setdefault(_storage(a)[-1], []).append(pos)
+    return out
 
 
 def _check_no_stale_read(order, held, name: str) -> None:
-    """Raise when re-running ``order`` would read a tensor as it was before an
-    in-place op the FX graph ran earlier (the FX graph names the written
-    tensor by its pre-mutation node): unless the buffer holding it is read,
-    re-running its producers computes the old value, a silent wrong answer."""
+    """Raise when re-running ``order`` could read a tensor in another state
+    than the FX graph's node did.  The FX graph names a tensor an in-place op
+    wrote by its node from before the write, so:
+
+    * a node after the write re-run from the tensor's producers computes the
+      old value (unless a buffer holding the written value is an input);
+    * a node before the write reading a held tensor (a graph input, a
+      buffer) reads the new value if the wrapper ran the write first, which
+      it may: the write does not wait for a reader it does not know of (a
+      Mamba layer's conv state, rewritten before its old value's readers ran
+      as eager kernels: Falcon-H1's decode, a silent wrong answer).
+
+    Both then run on the host from the IR instead, whose reads Inductor
+    orders."""
     graph = order[0].graph if order else None
     if graph is None:
         return
-    written = _written_after(graph)
-    if not written:
+    writes = _writes(graph)
+    if not writes:
         return
     position = {n: i for i, n in enumerate(graph.nodes)}
     for n in order:
         for a in n.all_input_nodes:
             chain = _storage(a)
-            pos = written.get(chain[-1])
-            if pos is None or pos >= position[n]:
+            at = writes.get(chain[-1])
+            if not at:
                 continue
-            if not any(c in held for c in chain):
+            is_held = any(c in held for c in chain)
+            if any(p < position[n] for p in at) and not is_held:
                 raise Unsupported(
                     f"spyre compiler: {name} reads {a.name} after an in-place op wrote it, "
                     "and no buffer holding the written value is an input"
+                )
+            if any(p > position[n] for p in at) and is_held:
+                raise Unsupported(
+                    f"spyre compiler: {name} reads {a.name} before an in-place op writes "
+                    "it, which the wrapper may run first"
                 )
 
 
