@@ -304,6 +304,36 @@ def test_a_pooling_reader_of_a_buffer_in_another_layout():
     _check(fn, torch.rand(3, 8, 11, 5) * 2)
 
 
+def test_a_where_broadcast_against_its_own_transpose(spyre_settings):
+    """Seed 300948: ``v2 = where(x > .25, x, y)`` then ``v2.T + v2``: the same
+    operand loaded at two variables of one node; after the second load the
+    group remembered only the newest index, so a third load at that index
+    took the first tile (x[i] for x[j]): a wrong answer.  Every load of an
+    operand is remembered with its index."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x, y):
+        v = torch.where(x > 0.25, x, y)
+        return v.transpose(1, 0) + v
+
+    _check(fn, torch.rand(1, 2) * 4 - 2, torch.rand(2) * 4 - 2)
+
+
+def test_a_matmul_reading_a_restickified_input():
+    """Seed 300566: an extern matmul planned to read its input in another
+    stick dim named the re-laid copy, but the wrapper's matmul path never
+    emitted the copy (NameError at run time).  The copy is emitted first."""
+
+    def fn(x, w, b, idx, src):
+        e = F.elu(x)
+        return F.linear(e.reshape(129, 2, 25, 1), w, b), F.softmax(e, dim=0).scatter(0, idx, src)
+
+    g = torch.Generator().manual_seed(300566)
+    x = (torch.rand(129, 100, 1, generator=g) * 4 - 2)[:, ::2]
+    idx = torch.rand(129, 50, 1, generator=g).argsort(dim=0)[:1]
+    _check(fn, x, torch.rand(1, 1) - 0.5, torch.rand(1) - 0.5, idx, torch.rand(1, 50, 1))
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

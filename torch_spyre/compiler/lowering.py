@@ -112,7 +112,8 @@ class ProgramBuilder:
         self.produced: dict[str, tuple[Val, list[list[str]]]] = {}
         self.store_steps: dict[str, int] = {}
         self.cse: dict[tuple, Val] = {}
-        self.load_index: dict[str, tuple[str | None, ...]] = {}
+        #: operand -> (index variables, tile) of each load of it in this group
+        self.load_index: dict[str, list[tuple[tuple[str | None, ...], Val]]] = {}
         #: buffers holding an affine function of the loop variables (index_expr)
         self.affine: dict[str, sympy.Expr] = {}
         #: the lane dim of each stick read one element at a time (see _lane)
@@ -293,30 +294,38 @@ class ProgramBuilder:
     def _load_parts(self, name: str, factors, offs, size, dtype, share: bool = True) -> Val:
         use = self._operand(name, "input", factors, offs, size, dtype)
         idx = self._index(factors)
-        key = ("load", use.name) if share else ("load-private", len(self.steps))
-        hit = self.cse.get(key)
-        pairs = [
-            (x, y)
-            for x, y in zip(self.load_index.get(use.name, ()), idx)
-            if x is not None and y is not None
-        ]
-        if hit is not None and not self._one_iteration(pairs):
-            # the same operand at other indices of this node (x[i] * x[j],
-            # a broadcast of a tensor against itself): another load
-            hit, key = None, ("load-again", len(self.steps))
-        if hit is not None:
-            # the same operand loaded again (by a later node of the group): reuse
-            # the tile already in LX, its dims are this node's dims
-            for x, y in pairs:
-                self.uf.union(x, y)
-            return hit
+        if share:
+            hit = self._loaded(use.name, idx)
+            if hit is not None:
+                return hit
         dims = frozenset(d for d in idx if d is not None)
         buf = self._buf(dims, dtype, double=True)
         self.steps.append(Load(buf, use.name, idx, offsets=use.load_offsets))
         val = Val(buf, dims, dtype)
-        self.cse[key] = val
-        self.load_index[use.name] = idx
+        if share:
+            self.load_index.setdefault(use.name, []).append((idx, val))
         return val
+
+    def _loaded(self, operand: str, idx) -> Val | None:
+        """A tile of ``operand`` this group loaded already that serves a load at
+        ``idx``: the one at the same variables, else one a later node of the
+        group reads as its own (its variables are unified with this node's).
+        The same operand at other variables of this node (``x[i] * x[j]``, a
+        tensor broadcast against itself) is another load."""
+        seen = self.load_index.get(operand, [])
+        for prev, val in seen:
+            if all(
+                (x is None) == (y is None) and (x is None or self.uf.find(x) == self.uf.find(y))
+                for x, y in zip(prev, idx)
+            ):
+                return val
+        for prev, val in seen:
+            pairs = [(x, y) for x, y in zip(prev, idx) if x is not None and y is not None]
+            if self._one_iteration(pairs):
+                for x, y in pairs:
+                    self.uf.union(x, y)
+                return val
+        return None
 
     def _one_iteration(self, pairs) -> bool:
         """Whether the index variables ``pairs`` name may be unified: a variable
@@ -365,18 +374,14 @@ class ProgramBuilder:
             shape = () if name in self.scalars else tuple(size)
             use = OperandUse(f"in{len(self.operands)}", name, "input", lay, shape, 0, offs)
             self.operands[key] = use
-        ck = ("load", use.name)
-        hit = self.cse.get(ck)
+        hit = self._loaded(use.name, idx)
         if hit is not None:
-            for x, y in zip(self.load_index[use.name], idx):
-                if x is not None and y is not None:
-                    self.uf.union(x, y)
             return hit
         vdims = frozenset(d for d in idx if d is not None)
         buf = self._buf(vdims, dtype, double=True)
         self.steps.append(Load(buf, use.name, idx, offsets=offs))
-        self.cse[ck] = val = Val(buf, vdims, dtype)
-        self.load_index[use.name] = idx
+        val = Val(buf, vdims, dtype)
+        self.load_index.setdefault(use.name, []).append((idx, val))
         return val
 
     def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:

@@ -393,36 +393,8 @@ class SpyreScheduling(BaseScheduling):
         call = ", ".join([fname, repr(name), out, *args])
         wrapper.writeline(f"spyre_rt.run_host({call})  # not planned: {eager.reason[:100]}")
 
-    def _emit(self, plan: lowering.Plan) -> None:
-        wrapper = V.graph.wrapper_code
-        for pre in plan.pre:  # restickify kernels (compiler.layouts): a fresh buffer
-            src, dst = pre.operands[0], pre.operands[1]
-            wrapper.writeline(
-                f"{dst.buffer} = torch.empty(({dst.layout.device_numel},), "
-                f"dtype={dst.layout.dtype}, device={_storage_name(src.buffer)}.device)"
-            )
-            self._emit(pre)
-            # later kernels reading the buffer in that layout reuse the copy
-            graph_state.of(wrapper).relaid[(src.buffer, dst.layout)] = dst.buffer
-        _remember(plan)
-        state = graph_state.of(wrapper)
-        reads, stored = state.reads, state.layouts
-        for u in plan.operands:  # for compiler.layouts: readers still to come
-            if not plan.program.name.startswith("restickify_"):
-                reads[u.buffer] = reads.get(u.buffer, 0) + (u.role == "input")
-            # an output stored whole in another stick dim (layouts.choose_output;
-            # a store through a view has the host dims of the view)
-            if u.role == "output" and u.shape and tuple(u.layout.host_size) == tuple(u.shape):
-                if u.layout != SpyreTensorLayout.default(u.shape, u.layout.dtype):
-                    stored[u.buffer] = u.layout  # its readers read it so
-        kname = _define(wrapper, plan)
-        args = ", ".join(
-            _storage_name(u.buffer) for u in plan.operands if u.role not in constants.CONST_ROLES
-        )
-        wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
-        if plan.after:
-            wrapper.writeline(plan.after)
-        return kname
+    def _emit(self, plan: lowering.Plan) -> str:
+        return emit_plan(plan)
 
     def codegen_sync(self) -> None:
         pass
@@ -438,6 +410,45 @@ class SpyreScheduling(BaseScheduling):
 
     def benchmark_fused_nodes(self, nodes):
         raise NotImplementedError
+
+
+def emit_restickify(plan: lowering.Plan) -> None:
+    """The restickify copies ``plan`` reads (``compiler.layouts``), each into
+    a fresh buffer that later kernels reading that layout reuse."""
+    wrapper = V.graph.wrapper_code
+    for pre in plan.pre:
+        src, dst = pre.operands[0], pre.operands[1]
+        wrapper.writeline(
+            f"{dst.buffer} = torch.empty(({dst.layout.device_numel},), "
+            f"dtype={dst.layout.dtype}, device={_storage_name(src.buffer)}.device)"
+        )
+        emit_plan(pre)
+        graph_state.of(wrapper).relaid[(src.buffer, dst.layout)] = dst.buffer
+
+
+def emit_plan(plan: lowering.Plan) -> str:
+    """Write ``plan``'s kernel launch (after the restickify copies it reads) into the wrapper."""
+    wrapper = V.graph.wrapper_code
+    emit_restickify(plan)
+    _remember(plan)
+    state = graph_state.of(wrapper)
+    reads, stored = state.reads, state.layouts
+    for u in plan.operands:  # for compiler.layouts: readers still to come
+        if not plan.program.name.startswith("restickify_"):
+            reads[u.buffer] = reads.get(u.buffer, 0) + (u.role == "input")
+        # an output stored whole in another stick dim (layouts.choose_output;
+        # a store through a view has the host dims of the view)
+        if u.role == "output" and u.shape and tuple(u.layout.host_size) == tuple(u.shape):
+            if u.layout != SpyreTensorLayout.default(u.shape, u.layout.dtype):
+                stored[u.buffer] = u.layout  # its readers read it so
+    kname = _define(wrapper, plan)
+    args = ", ".join(
+        _storage_name(u.buffer) for u in plan.operands if u.role not in constants.CONST_ROLES
+    )
+    wrapper.writeline(f"{kname}.run({args})  # {plan.program.name}")
+    if plan.after:
+        wrapper.writeline(plan.after)
+    return kname
 
 
 def plan_extern_matmul(node) -> tuple[lowering.Plan, list[str]]:
@@ -575,6 +586,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
                 )
                 return
             else:
+                emit_restickify(plan)  # the copies in another layout the matmul reads
                 _remember(plan)
                 node.codegen_comment(self)
                 var = f"_spyre_mm_{node.get_name()}"
