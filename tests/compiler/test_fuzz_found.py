@@ -334,6 +334,21 @@ def test_a_matmul_reading_a_restickified_input():
     _check(fn, x, torch.rand(1, 1) - 0.5, torch.rand(1) - 0.5, idx, torch.rand(1, 50, 1))
 
 
+def test_an_assert_in_a_compiled_graph_runs_and_raises():
+    """From the architecture sweep (LongCat-Flash's router): ``one_hot``
+    asserts its classes are non-negative; the assert node has no buffer
+    (Inductor removes it) and ran as eager kernels storing into it: a
+    NameError.  It runs for its effect, and still raises on bad input."""
+
+    def fn(i, w):
+        return F.one_hot(i, 8).float() @ w
+
+    w = torch.randn(8, 4)
+    _check(fn, torch.tensor([1, 3, 7]), w)
+    with pytest.raises(RuntimeError, match="non-negative"):
+        _compile(fn)(torch.tensor([1, -3, 7]).to("spyre"), w.to("spyre"))
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

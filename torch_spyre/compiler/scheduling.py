@@ -358,6 +358,8 @@ class SpyreScheduling(BaseScheduling):
             # a scatter into another buffer: the wrapper holds only that one,
             # and the function computes its whole new value
             out = layout.get_buffer().get_name()
+        elif name in V.graph.removed_buffers or isinstance(layout, ir.NoneLayout):
+            out = "None"  # a node run for its effect (an assert): never allocated
         call = ", ".join([fname, repr(name), out, *args])
         wrapper.writeline(f"spyre_rt.run_eager({call})  # not planned: {eager.reason[:100]}")
 
