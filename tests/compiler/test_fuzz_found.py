@@ -349,6 +349,22 @@ def test_an_assert_in_a_compiled_graph_runs_and_raises():
         _compile(fn)(torch.tensor([1, -3, 7]).to("spyre"), w.to("spyre"))
 
 
+def test_an_eager_view_of_a_buffer_in_another_layout():
+    """Seed 302140: avg_pool1d, stacked and convolved: an eager node re-ran a
+    ``view`` the FX graph took of a tensor with its meta strides, on the
+    buffer Inductor laid out otherwise (a RuntimeError at run time).  Views
+    re-run as reshapes: the same values, whatever the buffer's strides."""
+
+    def fn(x, y, w, b):
+        p = F.avg_pool1d(x, 4, 1, 1)
+        return torch.stack([p, y, y], dim=3), F.conv1d(p, w, b, padding=1)
+
+    _check(
+        fn, torch.rand(5, 65, 4) * 5 - 3, torch.rand(5, 65, 3), torch.rand(64, 65, 2) * 0.2 - 0.1,
+        torch.rand(64) - 0.5,
+    )  # fmt: skip
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -268,6 +268,8 @@ def _mutates(node: torch.fx.Node) -> bool:
 
 
 _aten = torch.ops.aten
+#: views re-run as reshapes in eager code (``function_source``)
+_VIEWS = (_aten.view.default, _aten._unsafe_view.default)
 #: FX ops whose value Inductor computes from a welford reduction's buffers
 _WELFORD_ORIGINS = (_aten.var_mean.correction, _aten.var.correction, _aten.std.correction)
 
@@ -413,6 +415,11 @@ def function_source(snode) -> tuple[str, str, list[str]]:
                 (value.tolist(),),
                 {"dtype": value.dtype, "device": torch.device(value.device.type)},
             )
+        elif n.target in _VIEWS:
+            # the value, whatever the strides of the buffer it is computed from:
+            # the FX graph's view was valid for its tensor's meta strides, and
+            # a held buffer has the layout Inductor chose for it
+            env[n] = g.call_function(_aten.reshape.default, (env[n.args[0]], n.args[1]))
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
     result = env[root] if result is None else result
