@@ -365,6 +365,18 @@ def test_an_eager_view_of_a_buffer_in_another_layout():
     )  # fmt: skip
 
 
+def test_an_index_of_a_transposed_input_has_the_strides_its_fake_promised():
+    """Seed 303925: ``x[:, idx]`` of a transposed input: ``spyre::index``'s fake
+    and its kernel gave different strides, and the compiled graph's stride
+    assert failed.  Both return a contiguous tensor."""
+
+    def fn(x, idx):
+        return x[:, idx]
+
+    base = torch.rand(2, 1, 1) * 4 - 2
+    _check(fn, lambda d: base.to(d).transpose(0, 2), torch.tensor([[0, 0]]))
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -156,13 +156,15 @@ def _(x, shifts, dims):
 @torch.library.custom_op("spyre::index", mutates_args=())
 def index(x: torch.Tensor, indices: list[torch.Tensor | None]) -> torch.Tensor:
     """``x[indices]`` with integer index tensors (a gather: ``index_select``, a
-    page read by a device index) by the device's eager kernel."""
-    return torch.ops.aten.index.Tensor(x, indices)
+    page read by a device index) by the device's eager kernel.  Contiguous: the
+    strides advanced indexing gives depend on the input's (a transposed input),
+    and the fake must promise what the kernel returns."""
+    return torch.ops.aten.index.Tensor(x, indices).contiguous()
 
 
 @index.register_fake
 def _(x, indices):
-    return torch.ops.aten.index.Tensor(x, indices)  # integer indices: shapes only
+    return torch.ops.aten.index.Tensor(x, indices).contiguous()  # integer indices: shapes only
 
 
 #: ops whose result is an affine function of iotas and constants when their inputs are
