@@ -377,6 +377,40 @@ def test_an_index_of_a_transposed_input_has_the_strides_its_fake_promised():
     _check(fn, lambda d: base.to(d).transpose(0, 2), torch.tensor([[0, 0]]))
 
 
+def test_index_add_into_a_row_slice_input():
+    """Seed 304553: ``x[1:2].index_add(...)``: the planner read the slice's
+    stick window from one stick before the tensor's first element (a
+    negative start into its memory; sliced in Python, the wrong elements).
+    Such a read is not planned, and a bound read outside the tensor raises."""
+
+    def fn(x, idx, src):
+        return x.index_add(0, idx, src)
+
+    base = torch.rand(4, 2) * 4 - 2
+    _check(fn, lambda d: base.to(d)[1:2], torch.tensor([0]), torch.rand(1, 2) * 4 - 2)
+
+
+def test_a_host_node_of_a_padded_pool():
+    """Seed 305822: the host code (the last degrade step) had no ``ops.and_``
+    for the bounds mask of a padded ``avg_pool1d``: the compile aborted."""
+
+    def fn(x, y):
+        return torch.minimum(F.avg_pool1d(x, 2, 2, 1), y)
+
+    _check(fn, torch.rand(1, 1, 1) * 4, torch.rand(1, 1) * 4 - 2)
+
+
+def test_a_host_node_reading_an_expanded_input():
+    """Seed 305334: a host node's input copy wrote an expanded (stride 0)
+    tensor through an overlapping view (a RuntimeError): copied by position."""
+
+    def fn(x):
+        return x.flip([1]).transpose(1, 2).mean([1])
+
+    base = torch.rand(1, 2, 1) * 4 - 2
+    _check(fn, lambda d: base.to(d).expand(1, 2, 8))
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -34,7 +34,7 @@ from torch._inductor.virtualized import OpsValue, V
 from torch_spyre.kernels.search import Unsupported
 
 #: names the generated code uses (runtime.compiled.run_host provides them)
-GLOBALS = ("torch", "math", "_ld")
+GLOBALS = ("torch", "math", "_ld", "_truncdiv")
 
 
 class _Printer(PythonPrinter):
@@ -87,7 +87,9 @@ _BINARY = {
     "bitwise_xor": "torch.bitwise_xor", "bitwise_left_shift": "torch.bitwise_left_shift",
     "bitwise_right_shift": "torch.bitwise_right_shift", "atan2": "torch.atan2",
     "hypot": "torch.hypot", "copysign": "torch.copysign", "nextafter": "torch.nextafter",
-    "fmax": "torch.fmax", "fmin": "torch.fmin",
+    "fmax": "torch.fmax", "fmin": "torch.fmin", "and_": "torch.bitwise_and",
+    "or_": "torch.bitwise_or", "xor": "torch.bitwise_xor", "lshift": "torch.bitwise_left_shift",
+    "rshift": "torch.bitwise_right_shift", "truncdiv": "_truncdiv",
 }  # fmt: skip
 _NO_OPS = ("check_bounds", "device_assert_async")
 _WIDE = (torch.float16, torch.bfloat16)

@@ -189,6 +189,8 @@ class ProgramBuilder:
                     start = 0
             if role == "output" and (start or lay.device_numel != _default_numel(size, dtype)):
                 raise Unsupported(f"a store into part of {buffer}")
+            if start < 0:  # sticks before the tensor's first element: not its memory
+                raise Unsupported(f"a read of {buffer} that starts before its first element")
             shape = () if buffer in self.scalars else tuple(size)
             use = OperandUse(
                 f"{role[:2]}{len(self.operands)}", buffer, role, lay, shape, start, load_offsets

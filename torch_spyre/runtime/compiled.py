@@ -82,6 +82,12 @@ class CompiledKernel:
             if role == "input":
                 mem = operands.memory(t)
                 if start or mem.numel() != numel:  # a slice: one block of its sticks
+                    if start < 0 or start + numel > mem.numel():
+                        raise RuntimeError(
+                            f"spyre compiled kernel {self.program.name!r}: operand {name!r} "
+                            f"reads elements {start}..{start + numel} of a tensor holding "
+                            f"{mem.numel()} (a planner bug)"
+                        )
                     size = self.program.operand(name).layout.device_size
                     mem = mem.reshape(-1)[start : start + numel].view(size)
                 bind[name] = mem
@@ -192,9 +198,13 @@ def run_eager(
 
 def host_function(src: str) -> Callable[..., torch.Tensor]:
     """The host code the compiler wrote from a node's IR (``compiler/host_nodes.py``)."""
-    env = {"torch": torch, "math": math, "_ld": _load}
+    env = {"torch": torch, "math": math, "_ld": _load, "_truncdiv": _truncdiv}
     exec(compile(src, "<spyre host node>", "exec"), env)
     return env["forward"]
+
+
+def _truncdiv(a, b) -> torch.Tensor:
+    return torch.div(a, b, rounding_mode="trunc")
 
 
 def _load(flat: torch.Tensor, index) -> torch.Tensor:
@@ -209,7 +219,13 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
     flat = torch.zeros(max(extent, 1) if t.numel() else 1, dtype=t.dtype)
     if t.numel():
-        flat.as_strided(t.shape, t.stride(), t.storage_offset()).copy_(t.cpu())
+        # by position: an expanded tensor (stride 0) has several elements at one
+        pos = torch.full((), t.storage_offset(), dtype=torch.int64)
+        for k, (n, st) in enumerate(zip(t.shape, t.stride())):
+            shape = [1] * t.dim()
+            shape[k] = n
+            pos = pos + torch.arange(n).view(shape) * st
+        flat[pos.reshape(-1)] = t.cpu().reshape(-1)
     return flat
 
 
