@@ -1,5 +1,5 @@
 """Checkpoints straight to the card: safetensors with device="spyre" (the
-wrapper in torch_spyre/compat.py; safetensors itself rejects the device)."""
+wrapper in torch_spyre/compat/safetensors.py; safetensors itself rejects the device)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""IBM's public torch-spyre names over ours (torch_spyre/compat.py, docs/compat.md)."""
+"""IBM's public torch-spyre names over ours (torch_spyre/compat/, docs/compat.md)."""
 
 import warnings
 
