@@ -411,6 +411,26 @@ def test_a_host_node_reading_an_expanded_input():
     _check(fn, lambda d: base.to(d).expand(1, 2, 8))
 
 
+def test_index_add_of_a_tensor_another_op_reads():
+    """Seeds 400362, 400858: ``v = a * b; v.index_add(...)`` while another op
+    reads ``v`` lazily (a pointwise Inductor inlines): written in place, the
+    reader was realized only when the write marked ``v`` mutated, after it,
+    and read the new values (a wrong answer).  The in-place form is taken
+    only when nothing else reads the old value (a KV cache's write)."""
+
+    def fn(a, b, idx, src, s, w, bias):
+        v = a * b
+        return v.index_add(0, idx, src), F.layer_norm(s * v, (8,), w, bias, 1e-5)
+
+    g = torch.Generator().manual_seed(400362)
+    _check(
+        fn, torch.rand(8, 12, 1, 1, generator=g) * 4 - 2, torch.rand(1, 12, 8, generator=g) * 4 - 2,
+        torch.randint(0, 8, (8,), generator=g), torch.rand(8, 12, 12, 8, generator=g) * 4 - 2,
+        torch.rand(1, 1, 1, 1, generator=g) * 4 - 2, torch.rand(8, generator=g) + 0.5,
+        torch.rand(8, generator=g) - 0.5,
+    )  # fmt: skip
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -252,6 +252,15 @@ _ROUTED = {
 }
 
 
+def _copies_into(user: torch.fx.Node, x: torch.fx.Node) -> bool:
+    """Whether ``user`` is the write back of a mutated graph input into ``x``."""
+    return (
+        user.op == "call_function"
+        and user.target is torch.ops.aten.copy_.default
+        and user.args[0] is x
+    )
+
+
 def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
     """``aten.index_put`` (a functionalized ``index_put_`` / ``index_copy_``: a
     KV cache write) as ``spyre::index_put_`` under ``auto_functionalized``:
@@ -268,6 +277,12 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
             continue
         x, indices, values = node.args[:3]
         acc = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+        if any(u is not node and not _copies_into(u, x) for u in x.users):
+            # another reader of the old value: Inductor may lower it lazily and
+            # realize it only when the in-place write marks x mutated, after
+            # the write (fuzzer seed 400362: a wrong answer); the functional
+            # op keeps its own copy
+            continue
         with gm.graph.inserting_before(node):
             xv = x.meta.get("val")
             if isinstance(xv, torch.Tensor) and not is_non_overlapping_and_dense_or_false(xv):
