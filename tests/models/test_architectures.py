@@ -223,3 +223,24 @@ def test_lm_head_split_when_too_large_for_one_kernel() -> None:
     torch.testing.assert_close(got, want, **tolerances(torch.float32))
     # the default limit (half a core's 256 MiB span) leaves small heads alone
     assert not isinstance(models.prepare(copy.deepcopy(ref)).lm_head, ChunkedLinear)
+
+
+def test_multimodal_rotary_table_takes_each_frequency_from_its_row():
+    """M-RoPE (Qwen3.5): position ids are (3, batch, seq), one row each for
+    time, height and width, and each frequency takes its angle from one row.
+    The table is probed for that map; looked up with rows that differ (an
+    image's grid), it equals the original, and text-only (2-D) ids too."""
+    from torch_spyre.tools.archsweep.configs import tiny_config
+
+    cfg = tiny_config("qwen3_5_text")
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    (rope,) = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    table = TabulatedRotaryEmbedding(rope, 64, None)
+    assert table.sections is not None and len(set(table.sections.tolist())) > 1
+    x = torch.zeros(1)
+    g = torch.Generator().manual_seed(0)
+    for ids in (torch.randint(0, 64, (3, 2, 5), generator=g), torch.arange(5)[None]):
+        want = rope(x, ids)
+        got = table.to("spyre")(x.to("spyre"), ids.to("spyre"))
+        for w, t in zip(want, got):
+            torch.testing.assert_close(t.cpu(), w, rtol=1e-6, atol=1e-6)

@@ -53,6 +53,31 @@ class TabulatedRotaryEmbedding(nn.Module):
             suffix = "" if key is None else f"_{key}"
             self.register_buffer(f"cos{suffix}", cos[0].contiguous(), persistent=False)
             self.register_buffer(f"sin{suffix}", sin[0].contiguous(), persistent=False)
+        self.register_buffer(
+            "sections", self._sections(original, keys[0], cos[0]), persistent=False
+        )
+
+    def _sections(self, original, key, table: torch.Tensor) -> torch.Tensor | None:
+        """For a multimodal rotary (M-RoPE: ``position_ids`` of shape (3, batch,
+        seq), one row each for time, height and width; each frequency takes its
+        angle from one row), which row each column of the table comes from:
+        found by probing the original with three distinct positions.  None for
+        a plain rotary."""
+        n = table.shape[0]
+        if n < 8:
+            return None
+        probe = torch.tensor([n // 7, n // 2, n - 1]).view(3, 1, 1)
+        x = torch.zeros(1, dtype=torch.float32)
+        try:
+            with torch.no_grad():
+                cos, _ = original(x, probe) if key is None else original(x, probe, key)
+        except Exception:  # noqa: BLE001 - a rotary that takes 2-D positions only
+            return None
+        got = cos.reshape(-1)[-table.shape[-1] :]
+        rows = table[probe.view(-1)]  # [3, dim]
+        if not torch.allclose(got, rows[0]) and got.numel() == rows.shape[1]:
+            return (got[None, :] - rows).abs().argmin(0)
+        return None
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         suffix = "" if layer_type is None else f"_{layer_type}"
@@ -62,8 +87,19 @@ class TabulatedRotaryEmbedding(nn.Module):
         # Out-of-range positions raise in the lookup (no silent wrong answer); checking
         # position_ids.max() up front would cost a device->host sync per forward.
         try:
-            cos = nn.functional.embedding(position_ids, cos_t)
-            sin = nn.functional.embedding(position_ids, sin_t)
+            if position_ids.dim() == 3 and self.sections is not None:
+                # M-RoPE: each column's angle from its row of the (3, b, s) ids
+                cos = sin = 0
+                for row in range(position_ids.shape[0]):
+                    keep = (self.sections == row).to(cos_t.dtype)
+                    ids = position_ids[row]
+                    cos = cos + nn.functional.embedding(ids, cos_t) * keep
+                    sin = sin + nn.functional.embedding(ids, sin_t) * keep
+            else:
+                if position_ids.dim() == 3:  # (3, b, s) of a text-only model: rows equal
+                    position_ids = position_ids[0]
+                cos = nn.functional.embedding(position_ids, cos_t)
+                sin = nn.functional.embedding(position_ids, sin_t)
         except IndexError as e:
             raise IndexError(
                 f"rotary table holds positions 0..{self.max_positions - 1}; for longer "
