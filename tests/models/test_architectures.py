@@ -244,3 +244,24 @@ def test_multimodal_rotary_table_takes_each_frequency_from_its_row():
         got = table.to("spyre")(x.to("spyre"), ids.to("spyre"))
         for w, t in zip(want, got):
             torch.testing.assert_close(t.cpu(), w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_rotary_of_another_form_is_kept_not_fatal():
+    """Llama-4's rotary returns complex frequencies (one value, not a (cos,
+    sin) pair) and Beam's keys layer types its rotary does not know: the
+    table could not be built and ``prepare`` raised, so neither model ran on
+    the card.  Such a rotary is kept as it is (its trig as eager ops)."""
+    from types import SimpleNamespace
+
+    from torch_spyre.models.patches import tabulate_rotary
+
+    class ComplexRotaryEmbedding(torch.nn.Module):
+        config = SimpleNamespace(max_position_embeddings=16)
+
+        def forward(self, x, position_ids):
+            return torch.polar(torch.ones(position_ids.shape), position_ids.float())
+
+    holder = torch.nn.Module()
+    holder.rotary = ComplexRotaryEmbedding()
+    note = tabulate_rotary(holder, SimpleNamespace(max_positions=16))
+    assert isinstance(holder.rotary, ComplexRotaryEmbedding) and "kept" in note

@@ -131,7 +131,15 @@ def tabulate_rotary(model: nn.Module, options: Any) -> str | None:
         limit = getattr(cfg, "max_position_embeddings", None) or options.max_positions
         n = min(limit, options.max_positions)
         layer_types = getattr(rope, "layer_types", None)
-        setattr(parent, name, TabulatedRotaryEmbedding(rope, n, layer_types))
+        try:
+            table = TabulatedRotaryEmbedding(rope, n, layer_types)
+        except (TypeError, ValueError, KeyError) as err:
+            # a rotary of another form (Llama-4's complex frequencies, one
+            # value not a (cos, sin) pair; layer types it does not key by):
+            # kept as it is, its trig running as eager ops on the card
+            done.append(f"{name}: kept ({type(err).__name__}: {err})")
+            continue
+        setattr(parent, name, table)
         tables = len(layer_types) if layer_types else 1
         done.append(f"{name}: {tables} cos/sin table(s) of {n} positions")
     return "; ".join(done) or None
