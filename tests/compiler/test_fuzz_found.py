@@ -431,6 +431,19 @@ def test_index_add_of_a_tensor_another_op_reads():
     )  # fmt: skip
 
 
+def test_an_elementwise_program_over_two_views_of_one_layout(spyre_settings):
+    """Seed 500871: ``maximum(y, x.reshape(2, 1536))`` with x [2, 48, 32]: the
+    program reads both as [2, 48, 32] (the same bytes), but the executor's
+    same-layout path broadcast the [2, 1536] tensor's memory shape against
+    the other's and failed on the card.  Operands take the output's shape."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x, y):
+        return torch.maximum(y, x.reshape(2, 1536))
+
+    _check(fn, torch.rand(2, 48, 32) * 4 - 2, torch.rand(2, 1536) * 4 - 2)
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")
