@@ -444,6 +444,39 @@ def test_an_elementwise_program_over_two_views_of_one_layout(spyre_settings):
     _check(fn, torch.rand(2, 48, 32) * 4 - 2, torch.rand(2, 1536) * 4 - 2)
 
 
+def test_the_product_of_an_expanded_input(spyre_settings):
+    """Seed 600480: ``prod`` over a dim an expanded input repeats (stride 0):
+    the planner dropped the reduction of a value constant along it (right for
+    max and min, scaled for sum, and for prod the value itself instead of its
+    power): a wrong answer."""
+    spyre_settings(compile_fallback="error")
+
+    def fn(x):
+        return x.prod(-1, keepdim=True), x.sum(-1), x.amax(-1)
+
+    base = torch.rand(1, 1) + 0.5
+    _check(fn, lambda d: base.to(d).expand(1, 3))
+
+
+def test_index_add_into_a_matmul_output_viewed_in_another_shape():
+    """Seed 600354: ``linear(...).index_add(1, ...)``: the scatter's buffer is the
+    matmul's [512, 8] output, which the FX graph views as [16, 32, 8]; the
+    eager node read and stored it in the buffer's shape (a shape error), and a
+    store of the whole buffer in another shape was taken for a partial one
+    (an aborted compile).  Held buffers are read in the FX node's shape."""
+
+    def fn(x, w, b, idx, src):
+        y = F.linear(x, w, b)
+        return y.index_add(1, idx, src), b * (y / 3.0)
+
+    g = torch.Generator().manual_seed(600354)
+    _check(
+        fn, torch.rand(16, 32, 32, generator=g), torch.rand(8, 32, generator=g) * 0.3,
+        torch.rand(8, generator=g) - 0.5, torch.randint(0, 32, (6,), generator=g),
+        torch.rand(16, 6, 8, generator=g) * 4 - 2,
+    )  # fmt: skip
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -18,6 +18,7 @@ has a kernel, else through the counted host fallback.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 
 import torch
@@ -346,7 +347,9 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     layout = buf.get_output_spec()
     if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
         target = layout.get_buffer()
-        if [str(s) for s in target.get_size()] != [str(s) for s in buf.get_size()]:
+        if math.prod(int(s) for s in target.get_size()) != math.prod(
+            int(s) for s in buf.get_size()
+        ):
             # a copy into part of another buffer (a view an in-place op wrote):
             # the FX value is the part, the store is through the view
             raise Unsupported(
@@ -390,6 +393,12 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, n in enumerate(inputs):
         env[n] = g.placeholder(f"in{i}")
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and n.op == "call_function":
+            # a held buffer may be laid out in another shape of the same
+            # elements (a matmul's [512, 8] output the FX graph views as
+            # [16, 32, 8]): read it in the FX node's shape
+            env[n] = g.call_function(_aten.reshape.default, (env[n], [int(d) for d in val.shape]))
     result = None
     for n in order:
         if n is root and _mutates(n):

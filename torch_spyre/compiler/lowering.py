@@ -517,6 +517,10 @@ class ProgramBuilder:
             if r not in value.dims:
                 if op == "sum":  # a sum of a value constant along r
                     value = self._vec("mul_scalar", [value], (float(self.ranges[r]),))
+                elif op == "prod":  # a product of one value n times (an expanded input)
+                    value = self._vec("pow_scalar", [value], (float(self.ranges[r]),))
+                elif op not in ("max", "min", "any"):
+                    raise Unsupported(f"a {op} reduction of a value constant along {r}")
                 continue
             key = ("reduce", op, value.buf, r)
             hit = self.cse.get(key)

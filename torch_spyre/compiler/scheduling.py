@@ -62,6 +62,11 @@ def debug_enabled() -> bool:
     return settings.get().debug
 
 
+def _numel(size) -> str:
+    """The element count of ``size``, as text (sizes may be symbolic)."""
+    return str(sympy.Mul(*[sympy.sympify(x) for x in size]))
+
+
 def _refuse_partial_writes(nodes) -> None:
     """A node writing part of another buffer (the copy back into a view an
     in-place op wrote through a realized copy) is not planned: fused with a
@@ -74,7 +79,7 @@ def _refuse_partial_writes(nodes) -> None:
             if not isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
                 continue
             target = layout.get_buffer()
-            if [str(x) for x in target.get_size()] != [str(x) for x in buf.node.get_size()]:
+            if _numel(target.get_size()) != _numel(buf.node.get_size()):
                 raise lowering.Unsupported(
                     f"a store of {buf.get_name()} {list(buf.node.get_size())} into part of "
                     f"{target.get_name()} {list(target.get_size())}"
