@@ -477,6 +477,24 @@ def test_index_add_into_a_matmul_output_viewed_in_another_shape():
     )  # fmt: skip
 
 
+@pytest.mark.xfail(raises=RuntimeError, strict=True, reason="open: a view realized apart")
+def test_index_add_into_a_select_of_a_computed_tensor_raises_not_misreads():
+    """Seed 600951, open: ``where(...)[1].index_add(...)``.  Functionalization
+    writes it as an ``as_strided`` of the base tensor's storage, but the
+    select was realized into a buffer of its own (1280 of the storage's 5120
+    elements), which the IR then reads past its end.  The eager path reads
+    the storage it cannot have (refused), and the host path now raises on
+    the read past the buffer instead of clamping it into wrong values.
+    CPU Inductor reads the base; the fix is to keep that select a view."""
+
+    def fn(x, idx, src):
+        return F.leaky_relu(x, 0.1)[1].index_add(1, idx, src)
+
+    g = torch.Generator().manual_seed(600951)
+    x = torch.rand(2, 5, 16, 16, generator=g) * 32 - 16
+    _check(fn, x, torch.randint(0, 16, (8,), generator=g), torch.rand(5, 8, 16, generator=g))
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

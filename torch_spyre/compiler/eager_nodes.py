@@ -178,6 +178,23 @@ def _storage(n: torch.fx.Node) -> list[torch.fx.Node]:
     return chain
 
 
+def _check_storage_reads(order, inputs, name: str) -> None:
+    """Raise when an ``as_strided`` would read the storage of a held buffer:
+    the FX graph addresses the storage its tensor views (``x[1]`` of a
+    [2, 5, 16, 16] tensor), and the buffer holding the value holds that value
+    only (fuzzer seed 600951: out of bounds).  Graph inputs are the tensors
+    themselves, storage and all."""
+    buffers = {n for n in inputs if n.op != "placeholder"}
+    for n in order:
+        if n.target is not _aten.as_strided.default:
+            continue
+        if any(c in buffers for c in _storage(n.args[0])):
+            raise Unsupported(
+                f"spyre compiler: {name} reads the storage under {n.args[0].name} "
+                "(as_strided), which the buffer holding it does not keep"
+            )
+
+
 def _writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[int]]:
     """Storage root -> graph positions of the in-place ops writing it."""
     out: dict[torch.fx.Node, list[int]] = {}
@@ -389,6 +406,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     else:
         visit(root)
     _check_no_stale_read(order, held, name)
+    _check_storage_reads(order, inputs, name)
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, n in enumerate(inputs):

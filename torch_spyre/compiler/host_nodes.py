@@ -34,7 +34,7 @@ from torch._inductor.virtualized import OpsValue, V
 from torch_spyre.kernels.search import Unsupported
 
 #: names the generated code uses (runtime.compiled.run_host provides them)
-GLOBALS = ("torch", "math", "_ld", "_truncdiv")
+GLOBALS = ("torch", "math", "_ld", "_ldm", "_truncdiv")
 
 
 class _Printer(PythonPrinter):
@@ -115,6 +115,7 @@ class _Writer:
         self.lines: list[str] = []
         self.reads = reads  # buffer name -> parameter name
         self.count = 0
+        self.masked_depth = 0
 
     def _new(self, expr: str) -> str:
         name = f"t{self.count}"
@@ -164,7 +165,8 @@ class _Writer:
             if name not in V.graph.name_to_buffer and name not in V.graph.graph_inputs:
                 raise Unsupported(f"spyre compiler: host code reads {name}, an unknown buffer")
             param = self.reads[name] = f"in{len(self.reads)}"
-        return self._new(f"_ld({param}, {self._index(index)})")
+        loader = "_ldm" if self.masked_depth else "_ld"  # masked: lanes it drops may be outside
+        return self._new(f"{loader}({param}, {self._index(index)})")
 
     def to_dtype(self, x, dtype, src_dtype=None, use_compute_types=True):
         return self._new(f"{self._arg(x)}.to({_compute(dtype)})")
@@ -177,7 +179,11 @@ class _Writer:
         return self._new(f"torch.where({self._arg(c)}, torch.as_tensor({a}), torch.as_tensor({b}))")
 
     def masked(self, mask, body, other):
-        value = body()
+        self.masked_depth += 1
+        try:
+            value = body()
+        finally:
+            self.masked_depth -= 1
         return self._new(
             f"torch.where({self._arg(mask)}, torch.as_tensor({self._arg(value)}), "
             f"torch.as_tensor({_scalar(other)}))"

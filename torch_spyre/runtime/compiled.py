@@ -200,7 +200,7 @@ def run_eager(
 
 def host_function(src: str) -> Callable[..., torch.Tensor]:
     """The host code the compiler wrote from a node's IR (``compiler/host_nodes.py``)."""
-    env = {"torch": torch, "math": math, "_ld": _load, "_truncdiv": _truncdiv}
+    env = {"torch": torch, "math": math, "_ld": _load, "_ldm": _load_masked, "_truncdiv": _truncdiv}
     exec(compile(src, "<spyre host node>", "exec"), env)
     return env["forward"]
 
@@ -210,7 +210,19 @@ def _truncdiv(a, b) -> torch.Tensor:
 
 
 def _load(flat: torch.Tensor, index) -> torch.Tensor:
-    """``flat[index]``: indices a masked load does not use are clamped."""
+    """``flat[index]``, every index inside the buffer (a read past it would be
+    another buffer's memory: raised, never clamped into a wrong value)."""
+    index = torch.as_tensor(index)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= flat.numel()):
+        raise RuntimeError(
+            f"spyre compiled graph: a host node reads elements {int(index.min())}.."
+            f"{int(index.max())} of a buffer of {flat.numel()} (a compiler bug)"
+        )
+    return flat[index]
+
+
+def _load_masked(flat: torch.Tensor, index) -> torch.Tensor:
+    """``flat[index]`` under a mask: the lanes it drops may index outside."""
     index = torch.as_tensor(index)
     return flat[index.clamp(0, max(flat.numel() - 1, 0))]
 
