@@ -488,7 +488,8 @@ def test_index_add_into_a_select_of_a_computed_tensor_raises_not_misreads():
     CPU Inductor reads the base; the fix is to keep that select a view."""
 
     def fn(x, idx, src):
-        return F.leaky_relu(x, 0.1)[1].index_add(1, idx, src)
+        v = F.leaky_relu(x, 0.1)
+        return v - v, v[1].index_add(1, idx, src), v.flatten(1, 3)
 
     g = torch.Generator().manual_seed(600951)
     x = torch.rand(2, 5, 16, 16, generator=g) * 32 - 16
