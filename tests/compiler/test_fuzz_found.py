@@ -496,6 +496,24 @@ def test_index_add_into_a_select_of_a_computed_tensor_raises_not_misreads():
     _check(fn, x, torch.randint(0, 16, (8,), generator=g), torch.rand(5, 8, 16, generator=g))
 
 
+def test_index_add_of_a_flipped_tensor_another_op_reads():
+    """Seed 700692: ``flip(x).index_add(1, ...)`` with another reader of the
+    flip: Inductor lowers the scatter as a copy of its input (tracked to the
+    scatter's FX node) and a write into it; the copy ran as the whole
+    index_add and the write added again (a wrong answer).  A copy a scatter
+    writes into is never taken for the scatter's value."""
+
+    def fn(x, idx, src, rows):
+        v = x.flip([0])
+        return v.index_add(1, idx, src), v[rows].movedim(1, 2)
+
+    g = torch.Generator().manual_seed(700692)
+    _check(
+        fn, torch.rand(65, 5, 4, generator=g) * 4 - 2, torch.randint(0, 5, (4,), generator=g),
+        torch.rand(65, 4, 4, generator=g) * 4 - 2, torch.randint(0, 65, (1,), generator=g),
+    )  # fmt: skip
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

@@ -47,6 +47,9 @@ def origin_node(buf) -> torch.fx.Node | None:
     the consumer of a buffer among its origins too (an attention reading the
     rotated query), and that node computes the other buffer, not this one."""
     node = _tracked(buf)
+    scattered = _scatter_origins(buf)
+    if node in scattered:
+        node = None  # the copy a scatter writes into: its value is the scatter's input
     if node is None:
         try:
             size = [str(s) for s in buf.get_size()]
@@ -60,6 +63,7 @@ def origin_node(buf) -> torch.fx.Node | None:
         # a scatter's mutation of the buffer it writes is that op's value
         mutation = isinstance(buf.get_output_spec(), ir.MutationLayoutSHOULDREMOVE)
         others = set() if mutation else {_tracked(b) for b in V.graph.buffers if b is not buf}
+        others |= scattered
         origins = {
             o
             for o in getattr(buf, "origins", ())
@@ -72,6 +76,35 @@ def origin_node(buf) -> torch.fx.Node | None:
         if len(last) == 1 and (_one_buffer(last[0]) or _sum_of_mean(buf, last[0])):
             node = last[0]
     return node
+
+
+_SCATTERS = ("aten::index_put", "aten::scatter", "aten::scatter_add", "aten::scatter_reduce",
+             "aten::index_add", "aten::index_copy", "aten::select_scatter",
+             "aten::slice_scatter")  # fmt: skip
+
+
+def _scatter_origins(buf) -> set[torch.fx.Node]:
+    """The scatter ops of the buffers that write into ``buf``.  Inductor lowers
+    a scatter as a copy of its input (``buf``, tracked to the scatter's FX
+    node) and a write into that copy: the scatter's value is the write's
+    buffer, never the copy (fuzzer seed 700692: the copy taken for the
+    scatter's value applied the index_add twice)."""
+    out: set[torch.fx.Node] = set()
+    if isinstance(buf.get_output_spec(), ir.MutationLayoutSHOULDREMOVE):
+        return out
+    for b in V.graph.buffers:
+        try:
+            spec = b.get_output_spec()
+        except NotImplementedError:
+            continue
+        if isinstance(spec, ir.MutationLayoutSHOULDREMOVE) and spec.get_buffer() is buf:
+            out |= {o for o in (b.origins or ()) if _mutates(o) or _scatters(o)}
+    return out
+
+
+def _scatters(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.name in _SCATTERS
 
 
 def _sum_of_mean(buf, node: torch.fx.Node | None) -> bool:
