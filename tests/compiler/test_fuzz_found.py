@@ -514,6 +514,23 @@ def test_index_add_of_a_flipped_tensor_another_op_reads():
     )  # fmt: skip
 
 
+def test_two_index_adds_of_one_computed_tensor():
+    """Seed 703362: two ``index_add`` of ``tril(x)``: a scatter the eager path
+    may not re-run (it reads its input before the other scatter's write) had
+    no host code (``ir.Scatter``): the compile aborted.  Host nodes now run
+    scatters, accumulating for a scatter-add."""
+
+    def fn(x, i1, s1, i2, s2):
+        t = torch.tril(x, 0)
+        return t.index_add(0, i1, s1), t.index_add(0, i2, s2)
+
+    g = torch.Generator().manual_seed(703362)
+    _check(
+        fn, torch.rand(6, 5, generator=g) * 4 - 2, torch.tensor([1, 1, 4]),
+        torch.rand(3, 5, generator=g), torch.tensor([0, 5]), torch.rand(2, 5, generator=g),
+    )  # fmt: skip
+
+
 def test_dispatch_counts_unchanged_by_the_tests():
     """The cases above run on device kernels (no host fallback)."""
     dispatch_stats.reset("fallback")

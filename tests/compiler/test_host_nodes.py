@@ -40,6 +40,10 @@ CASES = {
     "where_mask": (lambda x, y: torch.where(x > y, x, y * 3), [(8, 8), (8, 1)]),
     "argmax": (lambda x: x.argmax(-1), [(5, 17)]),
     "gather_by_index": (lambda x, i: x[i.abs().long() % 4], [(4, 6), (7,)]),
+    "scatter_add": (
+        lambda x, s: x.index_add(0, torch.tensor([1, 1, 3], device=x.device), s),
+        [(4, 6), (3, 6)],
+    ),
     "cumsum_free_layer_norm": (
         lambda x, w: F.layer_norm(x.transpose(0, 1), (3,), w, None, 1e-5),
         [(3, 10), (3,)],

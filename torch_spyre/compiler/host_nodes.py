@@ -199,9 +199,10 @@ class _Writer:
         return x
 
     def store(self, name, index, value, mode=None):
-        if mode is not None:
+        if mode not in (None, "atomic_add"):
             raise Unsupported(f"spyre compiler: no host code for a {mode} store")
         self.stored = (self._arg(value), self._index(index))
+        self.mode = mode
 
     def reduction(self, dtype, src_dtype, reduction_type, value):
         return _reduce(self, reduction_type, self._arg(value), self.full, self.npoint)
@@ -256,6 +257,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     data = getattr(buf, "data", None)
     if not isinstance(buf, ir.ComputedBuffer) or type(data) not in (
         ir.Pointwise,
+        ir.Scatter,
         ir.Reduction,
         ir.WelfordReduction,
     ):
@@ -275,11 +277,11 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     isyms = [sympy.Symbol(n, integer=True, nonnegative=True) for n in inames]
     rsyms = [sympy.Symbol(n, integer=True, nonnegative=True) for n in rnames]
     full = ranges + rranges
-    w.full, w.npoint, w.stored = full, len(ranges), None
+    w.full, w.npoint, w.stored, w.mode = full, len(ranges), None, None
     w.lines.extend(_grid(inames + rnames, full))
     with V.set_ops_handler(w):
         store = buf.get_store_function()
-        if rranges or type(data) is not ir.Pointwise:
+        if rranges or type(data) not in (ir.Pointwise, ir.Scatter):
             store(isyms, rsyms)
         else:
             store(isyms)
@@ -294,7 +296,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         f"def forward({', '.join(params[r] for r in reads)}):\n{body}\n"
         f"    value = torch.as_tensor({value}).to({dtype}).expand({ranges})\n"
         f"    index = torch.as_tensor({index}).expand({lead}).reshape({ranges})\n"
-        "    return value, index\n"
+        f"    return value, index, {w.mode!r}\n"
     )
     try:
         compile(src, "<spyre host node>", "exec")

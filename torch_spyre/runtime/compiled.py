@@ -249,11 +249,14 @@ def run_host(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *inp
     buffer Inductor allocated for it."""
     dispatch_stats.record("degraded", name)
     dispatch_stats.record("fallback", f"compiled.{name}")
-    value, index = fn(*[_storage(t) for t in inputs])
+    value, index, mode = fn(*[_storage(t) for t in inputs])
     # the IR's store index addresses the output's storage: a node may write
-    # part of another buffer (a copy into a view of it)
+    # part of another buffer (a copy into a view of it, a scatter)
     flat = _storage(out)
-    flat[index.reshape(-1)] = value.reshape(-1)
+    if mode == "atomic_add":  # a scatter-add: repeated indices accumulate
+        flat.index_put_((index.reshape(-1),), value.reshape(-1).to(flat.dtype), accumulate=True)
+    else:
+        flat[index.reshape(-1)] = value.reshape(-1)
     out.copy_(flat.as_strided(out.shape, out.stride(), out.storage_offset()).to(out.device))
 
 
