@@ -12,7 +12,9 @@ from torch_spyre.tools.fuzz.ops.base import _broadcast, _interval_mul, _promote,
 
 
 def _sig(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
+    # 1 / (1 + exp(-x)) overflows exp for x below -709 (a value range of a long
+    # chain); tanh never does (it crashed the fuzzer's worker: seed 703280)
+    return 0.5 * (1.0 + math.tanh(x / 2.0))
 
 
 @dataclass
