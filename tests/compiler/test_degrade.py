@@ -6,35 +6,12 @@ runs as eager kernels inside the compiled graph, each step counted, and
 
 import pytest
 import torch
-from torch._inductor.utils import fresh_cache
 
 from torch_spyre.compiler import degrade
-from torch_spyre.compiler.scheduling import SpyreScheduling
-from torch_spyre.kernels.search import Unsupported
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
 
 F32 = torch.float32
-
-
-@pytest.fixture
-def refuse(monkeypatch):
-    """``refuse("tanh")``: the planner refuses every group holding a tanh."""
-    plan = SpyreScheduling._plan
-
-    def install(op: str):
-        def refusing(self, nodes, *args, **kwargs):
-            for n in nodes:
-                if any(op in str(o.target) for o in n.node.origins or ()):
-                    raise Unsupported(f"test refuses {op}")
-            return plan(self, nodes, *args, **kwargs)
-
-        monkeypatch.setattr(SpyreScheduling, "_plan", refusing)
-
-    # a graph planned with the refusal must not come back from (or go into)
-    # Inductor's FX graph cache, whose key does not know of it
-    with fresh_cache():
-        yield install
 
 
 def _compile(fn):

@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from torch._inductor.utils import fresh_cache
 
 from torch_spyre.compiler import degrade
-from torch_spyre.compiler.scheduling import SpyreScheduling
-from torch_spyre.kernels.search import Unsupported
 from torch_spyre.runtime import dispatch_stats
 
 
@@ -30,24 +28,6 @@ def _check(fn, *args, atol=1e-5):
     got = got if isinstance(got, tuple) else (got,)
     for w, g in zip(want, got):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=atol)
-
-
-@pytest.fixture
-def refuse(monkeypatch):
-    """``refuse("tanh")``: the planner refuses every group holding that op."""
-    plan = SpyreScheduling._plan
-
-    def install(op: str):
-        def refusing(self, nodes, *args, **kwargs):
-            for n in nodes:
-                if any(op in str(o.target) for o in n.node.origins or ()):
-                    raise Unsupported(f"test refuses {op}")
-            return plan(self, nodes, *args, **kwargs)
-
-        monkeypatch.setattr(SpyreScheduling, "_plan", refusing)
-
-    with fresh_cache():
-        yield install
 
 
 def test_eager_node_reads_an_input_freed_before_it(monkeypatch):

@@ -61,6 +61,21 @@ def test_moe_compiled_decode_matches_the_cpu_in_fp32(name):
     assert res.host_fallbacks == 0 and not res.degraded
 
 
+def _compiled_sweep_type(model_type: str) -> run.PathResult:
+    """The architecture sweep's compiled run of one model type (its tiny
+    config, decoded against the CPU as the sweep does)."""
+    from torch_spyre.tools.archsweep.configs import model_types
+
+    mt = {m.name: m for m in model_types()}[model_type]
+    model = run.build(mt)
+    ids = run._inputs(model)
+    ref = run.reference(model, ids)
+    torch._dynamo.reset()
+    res = run.run_path(model, ref, ids, compile=True)
+    torch._dynamo.reset()
+    return res
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["cohere", "helium", "phimoe", "minimax", "inkling2_text"])
 def test_degraded_rotary_decodes_like_the_cpu(model_type):
@@ -80,15 +95,7 @@ def test_degraded_rotary_decodes_like_the_cpu(model_type):
     ``mean`` to a sum (a buffer) divided in its consumers; the sum buffer was
     taken for the mean's value (read as held, or recomputed as the mean): a
     silent wrong answer; it is recomputed as the sum now."""
-    from torch_spyre.tools.archsweep.configs import model_types
-
-    mt = {m.name: m for m in model_types()}[model_type]
-    model = run.build(mt)
-    ids = run._inputs(model)
-    ref = run.reference(model, ids)
-    torch._dynamo.reset()
-    res = run.run_path(model, ref, ids, compile=True)
-    torch._dynamo.reset()
+    res = _compiled_sweep_type(model_type)
     assert res.verdict == "match" and res.max_diff < 1e-6, (res.error, res.max_diff)
     assert res.degraded.get("eager", 0) > 0 and res.host_fallbacks == 0
 
@@ -106,14 +113,6 @@ def test_sweep_silent_wrong_answers_are_fixed(model_type):
     compressor's -inf block mask was cat'ed onto the attention mask by lane
     placement, a matmul, and -inf * 0 is NaN (compiler/passes.py:
     may_be_infinite)."""
-    from torch_spyre.tools.archsweep.configs import model_types
-
-    mt = {m.name: m for m in model_types()}[model_type]
-    model = run.build(mt)
-    ids = run._inputs(model)
-    ref = run.reference(model, ids)
-    torch._dynamo.reset()
-    res = run.run_path(model, ref, ids, compile=True)
-    torch._dynamo.reset()
+    res = _compiled_sweep_type(model_type)
     assert res.verdict == "match" and res.max_diff < 1e-5, (res.error, res.max_diff)
     assert res.token_flips == 0

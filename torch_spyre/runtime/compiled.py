@@ -35,6 +35,10 @@ class CompiledKernel:
         #: (operand name, role, shape of the wrapper tensor bound to it, first
         #: device element and device elements of the operand's view)
         self.bindings = bindings
+        #: each operand's device shape: a wrapper tensor is bound in it (a
+        #: [2, 1536] tensor the program reads as [2, 48, 32] has the same
+        #: bytes in other dims; the executor takes operands as shaped)
+        self._sizes = {o.name: tuple(o.layout.device_size) for o in self.program.operands}
         self._kernel = launch.Kernel(self.program)
         self._label = "compiled." + self.program.name
         self._iotas: dict[tuple[int, int | None], torch.Tensor] = {}
@@ -88,15 +92,13 @@ class CompiledKernel:
                             f"reads elements {start}..{start + numel} of a tensor holding "
                             f"{mem.numel()} (a planner bug)"
                         )
-                    size = self.program.operand(name).layout.device_size
-                    mem = mem.reshape(-1)[start : start + numel].view(size)
-                bind[name] = mem
+                    mem = mem.reshape(-1)[start : start + numel]
+                bind[name] = mem if mem.shape == self._sizes[name] else mem.view(self._sizes[name])
             elif operands.is_whole_default(t):
                 mem = operands.device_memory(t)
                 if mem.numel() != numel:  # stored in a compacter layout (compiler.layouts)
-                    size = self.program.operand(name).layout.device_size
-                    mem = mem.reshape(-1)[:numel].view(size)
-                bind[name] = mem
+                    mem = mem.reshape(-1)[:numel]
+                bind[name] = mem if mem.shape == self._sizes[name] else mem.view(self._sizes[name])
             else:  # an output Inductor allocated with another stride: store, then re-lay
                 tmp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
                 bind[name] = operands.device_memory(tmp)

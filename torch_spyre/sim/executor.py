@@ -674,14 +674,6 @@ _STEP_BUILDERS: dict[type, Callable] = {
 
 
 # ------------------------------------------- the commonest eager kernel
-def _like(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``t`` in ``out``'s shape: the operands of a same-layout program hold their
-    elements in the same device order, but a runtime may bind one in the shape
-    of another view of that memory (a [2, 1536] tensor read as [2, 48, 32]:
-    same bytes, other dims), and broadcasting the two would be wrong."""
-    return t if t.shape == out.shape else t.view(out.shape)
-
-
 def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | None:
     """A direct runner for the commonest eager kernel: loads of whole operands
     that share one device layout, one vector op, one store.
@@ -753,7 +745,7 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
 
         def run_into(buffers: Buffers) -> None:
             out = buffers[out_name]
-            args = [_like(buffers[o], out) for o in operands]
+            args = [buffers[o] for o in operands]
             if ints:
                 check_ints(vec.op, args)
             try:
@@ -766,13 +758,13 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         return run_into
 
     def run(buffers: Buffers) -> None:
-        out = buffers[out_name]
-        args = [_like(buffers[o], out) for o in operands]
+        args = [buffers[o] for o in operands]
         if ints:
             check_ints(vec.op, args)
         if upcast:
             args = [a.to(acc) if a.is_floating_point() else a for a in args]
         res = fn(*args, *scalars)
+        out = buffers[out_name]
         try:
             out.view(res.shape).copy_(res)
         finally:
