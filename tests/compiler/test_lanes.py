@@ -163,3 +163,40 @@ def test_rolled_cache_and_modular_indices():
         f, torch.randn(1, 2, 8, 16), torch.randn(1, 2, 1, 16), dtype=torch.float32
     )
     torch.testing.assert_close(got, want, **tolerances(torch.float32))
+
+
+def _rotate_every_two(x):
+    """GLM / Cohere / GPT-J's interleaved rotary: lane 2 i + j of the output."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_interleaved_rotary_stores_lanes_on_the_pe_array(dtype):
+    """A store cutting the stick dim into pairs (lane_steps._scatter): planned,
+    not degraded to eager kernels; fp32 exact (one product x * 1 per lane)."""
+    from torch_spyre.compiler import degrade
+
+    def f(q, cos, sin):
+        return q * cos + _rotate_every_two(q) * sin
+
+    args = (torch.randn(1, 4, 5, 16), torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16))
+    degrade.reset_counts()
+    got, want = _compiled(f, *args, dtype=dtype)
+    assert degrade.counts()["eager"] == 0
+    torch.testing.assert_close(got.float(), want, **tolerances(dtype))
+
+
+def test_interleaved_store_of_infinities_is_a_select():
+    """A value that may be infinite (a -inf fill) is placed on lanes by a select
+    on the vector unit: through the PE array's table, -inf * 0 would be NaN."""
+    from torch_spyre.compiler import degrade
+
+    def f(x, m):
+        return _rotate_every_two(x.masked_fill(m, float("-inf"))) * 2 + 1
+
+    x = torch.randn(3, 32)
+    degrade.reset_counts()
+    got, want = _compiled(f, x, x > 1, dtype=torch.float32)
+    assert degrade.counts()["eager"] == 0
+    assert torch.isinf(want).any()
+    assert torch.equal(got, want)

@@ -46,6 +46,7 @@ import torch
 
 from torch_spyre.compiler import lanes, pieces, trig
 from torch_spyre.compiler.kernel_plan import OperandUse, Plan
+from torch_spyre.compiler.lane_steps import LaneSteps
 from torch_spyre.compiler.values import Scal, Val
 from torch_spyre.compiler.vector_ops import _BINARY, _PY_BINARY, _UNARY
 from torch_spyre.compiler.views import (
@@ -56,7 +57,7 @@ from torch_spyre.compiler.views import (
     view_layout,
 )
 from torch_spyre.hardware import HardwareConfig
-from torch_spyre.ir import Buffer, Load, Matmul, Reduce, Store, Vector, constants
+from torch_spyre.ir import Buffer, Load, Matmul, Reduce, Store, Vector
 from torch_spyre.kernels import plan as planner
 from torch_spyre.kernels.plan import _dkey
 from torch_spyre.kernels.rewrites import _live, _rename_step, _reuse_buffers
@@ -89,7 +90,7 @@ class _UnionFind:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
-class ProgramBuilder:
+class ProgramBuilder(LaneSteps):
     """Records kernel-program steps while Inductor's inner functions run on it."""
 
     def __init__(
@@ -340,25 +341,6 @@ class ProgramBuilder:
             for x, y in pairs
         )
 
-    def _lane(self, name: str, factors, offs, size, dtype, se: int) -> Val:
-        """One element of a stick (``x[..., 3]``: Inductor unrolls reductions
-        over fewer than 8 elements into such reads).  A DMA moves whole
-        sticks and cannot shift lanes, so the stick is loaded and the lane
-        picked on the vector unit: a mask from the lane index, then a
-        reduction over the stick with exactly one term kept (exact; integers
-        within the card's exact range, which the card checks)."""
-        c0 = offs[-1] - offs[-1] % se
-        key = ("lane", name, tuple(tuple(f) for f in factors), tuple(offs[:-1]), c0)
-        lane = self.lane_vars.get(key)
-        if lane is None:
-            lane = self.lane_vars[key] = str(self.new_vars("l", [min(se, size[-1] - c0)])[0])
-        block = self._load_parts(name, factors[:-1] + [[lane]], offs[:-1] + [c0], size, dtype)
-        sel = self._binary("eq", self._iota(lane), Scal(offs[-1] - c0, torch.float32))
-        picked = self._vec("where", [sel, block, self._materialise(Scal(0.0, block.dtype))])
-        if dtype == torch.bool:
-            return self._reduce("any", picked, [lane], torch.bool)
-        return self._reduce("sum", picked, [lane], block.dtype)
-
     def _load_pieces(self, name: str, dims, size, dtype) -> Val:
         """The whole buffer viewed in pieces, loaded from per-piece offsets."""
         psizes = [p for ps, _, _ in dims for p in ps]
@@ -386,73 +368,6 @@ class ProgramBuilder:
         self.load_index.setdefault(use.name, []).append((idx, val))
         return val
 
-    def _gather(self, name, rest, terms, first, size, stride, offset, dtype, se: int) -> Val:
-        """Stick-dim lanes ``first + sum c_v v`` (sub-stick pieces, strided
-        patterns; ``compiler/lanes.py``): the whole sticks covering them, then
-        a 0/1 table on the PE array.  ``rest`` indexes the other dims.
-
-        Variables whose lane stride is whole sticks and spans everything
-        inside (the heads of a fused qkv: 192 h + 16 + i) are blocks of the
-        stick dim read through a pieces view, not gathered: the table covers
-        one block's lanes only."""
-        terms = sorted(terms, key=lambda t: -t[1])
-        outer: list[tuple[str, int]] = []
-        base = 0
-        while len(terms) > 1:
-            v, c = terms[0]
-            inner_first = first % c
-            span = inner_first + sum(ci * (self.ranges[vi] - 1) for vi, ci in terms[1:])
-            if c % se or span >= c or size[-1] % c:
-                break
-            outer.append((v, c))
-            base += first - inner_first
-            first = inner_first
-            terms = terms[1:]
-        parts = [(self.ranges[v], c) for v, c in terms]
-        last = first + sum(c * (n - 1) for n, c in parts)
-        block_lanes = min(c for _, c in outer) if outer else size[-1]
-        lo, cover = lanes.covering(block_lanes, last - first + 1, first, se)
-        n = math.prod(p for p, _ in parts)
-        if cover * n > lanes.MAX_TABLE:
-            raise Unsupported(
-                f"elements {first}..{last} of the stick dim of {name} {list(size)} in parts "
-                f"{parts}: a lane gather of {cover} x {n} is larger than {lanes.MAX_TABLE} "
-                f"(not whole sticks of {se})"
-            )
-        rest = sympy.expand(
-            rest + base + sum(sympy.Symbol(v, integer=True, nonnegative=True) * c for v, c in outer)
-        )
-        j = self.new_vars("j", [cover])[0]
-        idx = sympy.expand(rest + offset + lo + j)
-        try:
-            factors, offs = _decompose(idx, size, stride, offset, self.ranges, f"load of {name}")
-            block = self._load_parts(name, factors, offs, size, dtype)
-        except Unsupported:
-            try:
-                dims = pieces.decompose(idx, size, stride, offset, self.ranges, dtype)
-            except pieces.PiecesError as e:
-                raise Unsupported(f"load of {name}: {e}") from None
-            block = self._load_pieces(name, dims, size, dtype)
-        # a block this group loaded already carries its own lane variable
-        j = next((d for d in block.dims if self.uf.find(d) == self.uf.find(str(j))), str(j))
-        key = constants.table_key(cover, first - lo, parts, dtype)
-        use = self.operands.get(("eye", key))
-        vs = [v for v, _ in terms]
-        if use is None:
-            lay = SpyreTensorLayout.default((cover, *(p for p, _ in parts)), dtype)
-            shape = (cover, first - lo, *(x for pc in parts for x in pc))
-            use = OperandUse(f"ey{len(self.operands)}", key, "eye", lay, shape)
-            self.operands[("eye", key)] = use
-        buf = self._buf({str(j), *vs}, dtype, double=True)
-        self.steps.append(Load(buf, use.name, (str(j), *vs)))
-        out = self.matmul(block, Val(buf, frozenset({str(j), *vs}), dtype), [str(j)])
-        if not dtype.is_floating_point:
-            # the PE array accumulates in fp32: a gathered mask or integer is
-            # one product per lane, exact; converted back to what was loaded
-            # (a `where` reads a bool condition)
-            out = self._vec("copy", [out], (), dtype)
-        return out
-
     def store(self, name: str, index, value, mode=None) -> None:
         if mode is not None:
             raise Unsupported(f"store mode {mode!r} into {name}")
@@ -474,6 +389,16 @@ class ProgramBuilder:
             if self.uf.find(v) not in vdims:  # a repeat / expand: broadcast in LX
                 value = self._vec("bcast", [value, self._iota(v)], (), value.dtype)
                 vdims.add(self.uf.find(v))
+        se = stick_elems(dtype)
+        widths = [self.ranges[v] for v in factors[-1]]
+        if (
+            len(widths) > 1
+            and name not in self.scalars
+            and lanes.needs_gather(size[-1], widths, offs[-1], se)
+        ):  # sub-stick pieces of the stick dim: placed on lanes (lane_steps)
+            if offs[-1]:
+                raise Unsupported(f"a store into part of the stick dim of {name}")
+            factors, value = self._scatter(name, factors, value, size, dtype)
         use = self._operand(name, "output", factors, offs, size, dtype)
         self.produced[name] = (value, factors)
         self.store_steps[name] = len(self.steps)

@@ -42,14 +42,13 @@ and rewrites what the vector units cannot do into what the PE array can:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
+from torch_spyre.compiler.infinities import may_be_infinite
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
 
 
@@ -306,50 +305,6 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
         gm.graph.erase_node(node)
         changed = True
     return changed
-
-
-#: ops that turn finite values into infinities by design (``log(mask)``)
-_MAKES_INF = ("aten::log", "aten::log2", "aten::log10", "aten::reciprocal")
-
-
-def _literal_non_finite(a) -> bool:
-    if isinstance(a, float):
-        return not math.isfinite(a)
-    if isinstance(a, list | tuple):
-        return any(_literal_non_finite(x) for x in a)
-    return False
-
-
-def may_be_infinite(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> bool:
-    """Whether ``node``'s value may hold an infinity the graph itself writes:
-    an ancestor fills with ``-inf`` (an attention mask built with
-    ``full(-inf)`` / ``masked_fill``), holds a constant with one, or is a log.
-    A lane placement on the PE array multiplies every value by the table's
-    zeros, and ``inf * 0`` is NaN: such pieces are moved by the device's cat
-    or left to the eager kernels instead (DeepSeek-V4's compressed-KV mask
-    came out NaN: a silent wrong answer in the architecture sweep).
-    Infinities in the graph's inputs or from overflow are not looked for."""
-    seen: set[torch.fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "get_attr" and gm is not None:
-            value = getattr(gm, str(n.target), None)
-            if isinstance(value, torch.Tensor) and value.is_floating_point():
-                if not bool(torch.isfinite(value.cpu()).all()):
-                    return True
-        if n.op != "call_function":
-            continue
-        if _literal_non_finite(list(n.args)) or _literal_non_finite(list(n.kwargs.values())):
-            return True
-        schema = getattr(n.target, "_schema", None)
-        if schema is not None and schema.name in _MAKES_INF:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
 def _split_piece(p: torch.fx.Node):
