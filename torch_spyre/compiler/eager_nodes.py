@@ -151,6 +151,20 @@ def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def _holds_contiguously(buf, node: torch.fx.Node) -> bool:
+    """Whether Inductor's ``buf`` holds ``node``'s value row-major, as a
+    contiguous tensor of the node's shape would (so a reshape reads it)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+        return False
+    try:
+        lay = buf.get_layout()
+    except (AttributeError, NotImplementedError):
+        return False
+    sizes = [int(s) for s in lay.size]
+    return math.prod(sizes) == val.numel() and lay.is_contiguous()
+
+
 def _mutated_args(node: torch.fx.Node) -> list[int]:
     """Positions of the arguments a mutating op writes."""
     schema = getattr(node.target, "_schema", None)
@@ -240,7 +254,7 @@ def _writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[int]]:
     return out
 
 
-def _check_no_stale_read(order, held, name: str) -> None:
+def _check_no_stale_read(order, held, name: str, root=None) -> None:
     """Raise when re-running ``order`` could read a tensor in another state
     than the FX graph's node did.  The FX graph names a tensor an in-place op
     wrote by its node from before the write, so:
@@ -254,7 +268,8 @@ def _check_no_stale_read(order, held, name: str) -> None:
       as eager kernels: Falcon-H1's decode, a silent wrong answer).
 
     Both then run on the host from the IR instead, whose reads Inductor
-    orders."""
+    orders.  The write of ``root`` itself, the in-place op this function
+    computes (on a copy), is not one of those."""
     graph = order[0].graph if order else None
     if graph is None:
         return
@@ -265,7 +280,7 @@ def _check_no_stale_read(order, held, name: str) -> None:
     for n in order:
         for a in n.all_input_nodes:
             chain = _storage(a)
-            at = writes.get(chain[-1])
+            at = [p for p in writes.get(chain[-1], ()) if root is None or p != position[root]]
             if not at:
                 continue
             is_held = any(c in held for c in chain)
@@ -405,10 +420,25 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             raise Unsupported(
                 f"spyre compiler: {name} writes part of {target.get_name()}, through a view"
             )
+    through_view = None  # the tensor an in-place op writes through a view of
     if isinstance(layout, ir.MutationLayoutSHOULDREMOVE) and root.args:
         # a scatter writes into a copy of its input that Inductor made first:
         # until it runs, that buffer holds the input
-        held[root.args[0]] = layout.get_buffer().get_name()
+        target = layout.get_buffer()
+        base = _storage(root.args[0])[-1] if isinstance(root.args[0], torch.fx.Node) else None
+        if base is None:
+            base = root.args[0]
+        elif base is not root.args[0]:
+            # it writes through a view (index_add into permute(pad(x)), whose
+            # buffer is the pad's): the buffer holds the base, which the code
+            # copies, views again and writes through; its value is the base
+            if not _holds_contiguously(target, base):
+                raise Unsupported(
+                    f"spyre compiler: {name} writes {target.get_name()} through a view "
+                    "of a tensor the buffer holds in another layout"
+                )
+            through_view = base
+        held[base] = target.get_name()
     order: list[torch.fx.Node] = []
     inputs: list[torch.fx.Node] = []
     seen: set[torch.fx.Node] = set()
@@ -438,7 +468,7 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         inputs.append(root)
     else:
         visit(root)
-    _check_no_stale_read(order, held, name)
+    _check_no_stale_read(order, held, name, root if _mutates(root) else None)
     _check_storage_reads(order, inputs, name)
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -450,9 +480,14 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             # elements (a matmul's [512, 8] output the FX graph views as
             # [16, 32, 8]): read it in the FX node's shape
             env[n] = g.call_function(_aten.reshape.default, (env[n], [int(d) for d in val.shape]))
+    if through_view is not None:
+        env[through_view] = g.call_function(torch.ops.aten.clone.default, (env[through_view],))
     result = None
     for n in order:
-        if n is root and _mutates(n):
+        if n is root and _mutates(n) and through_view is not None:
+            env[n] = g.node_copy(n, lambda a: env[a])  # in place, through the views
+            result = env[through_view]
+        elif n is root and _mutates(n):
             # the buffer is the functional value of the mutation: the op writes
             # a copy of its target (the graph's own tensor stays as it is)
             (i,) = _mutated_args(n)
