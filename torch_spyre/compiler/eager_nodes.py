@@ -425,7 +425,10 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         # a scatter writes into a copy of its input that Inductor made first:
         # until it runs, that buffer holds the input
         target = layout.get_buffer()
-        base = _storage(root.args[0])[-1] if isinstance(root.args[0], torch.fx.Node) else None
+        chain = _storage(root.args[0]) if isinstance(root.args[0], torch.fx.Node) else [None]
+        # the tensor the buffer holds: the first of the chain the wrapper
+        # holds already (a view of the matmul's output), else its base
+        base = next((c for c in chain if c in held), chain[-1])
         if base is None:
             base = root.args[0]
         elif base is not root.args[0]:
