@@ -9,7 +9,6 @@ row-major.  It now copies the base, re-runs the views and writes through them
 (``eager_nodes.function_source``).
 """
 
-import pytest
 import torch
 import torch.nn.functional as F
 
