@@ -94,3 +94,39 @@ def test_a_cat_of_an_infinite_mask_is_not_a_lane_placement():
     x, scores = torch.rand(4, 5), torch.randn(4, 8)
     for got, want in zip(_compiled(fn, x, scores), fn(x, scores)):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_comparison_of_two_constants_folds():
+    """BigBird / RoFormer / PhiMoE: a mask from two constant bounds (``ge`` of
+    two constants inside a fused group) folds on the host to a bool."""
+
+    def f(x):
+        n = x.shape[-1]
+        keep = torch.arange(n, device=x.device) >= 3
+        return torch.where(keep & (n > 2), x, 0.0), torch.clamp(x, max=float(n < 5))
+
+    x = torch.randn(3, 40)
+    for got, want in zip(_compiled(f, x), f(x)):
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_exp2_is_exp_of_x_ln2():
+    # MPT's ALiBi slopes: 1 / 2 ** (arange(1, n + 1) * 8 / n)
+    def f(x):
+        return torch.exp2(x) * 0.5
+
+    x = torch.linspace(-20, 20, 96).reshape(2, 48)
+    torch.testing.assert_close(_compiled(f, x).cpu(), f(x), rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.0])
+def test_baddbmm_is_a_matmul_program(beta):
+    """Bloom's ALiBi scores: baddbmm(alibi, q, k, beta, alpha); beta 0 ignores
+    its input, NaN included."""
+
+    def f(bias, a, b):
+        return torch.baddbmm(bias, a, b, beta=beta, alpha=0.25)
+
+    bias = torch.full((4, 5, 7), float("nan")) if beta == 0 else torch.randn(4, 5, 7)
+    args = (bias, torch.randn(4, 5, 6), torch.randn(4, 6, 7))
+    torch.testing.assert_close(_compiled(f, *args).cpu(), f(*args), rtol=1e-6, atol=1e-6)

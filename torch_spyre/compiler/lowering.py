@@ -48,7 +48,7 @@ from torch_spyre.compiler import lanes, pieces, trig
 from torch_spyre.compiler.kernel_plan import OperandUse, Plan
 from torch_spyre.compiler.lane_steps import LaneSteps
 from torch_spyre.compiler.values import Scal, Val
-from torch_spyre.compiler.vector_ops import _BINARY, _PY_BINARY, _UNARY
+from torch_spyre.compiler.vector_ops import _BINARY, _PY_BINARY, _UNARY, COMPARISONS
 from torch_spyre.compiler.views import (
     _decompose,
     _stored_layout,
@@ -63,6 +63,8 @@ from torch_spyre.kernels.plan import _dkey
 from torch_spyre.kernels.rewrites import _live, _rename_step, _reuse_buffers
 from torch_spyre.kernels.search import Unsupported
 from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, stick_elems
+
+_LN2 = math.log(2.0)
 
 
 def _default_numel(size, dtype) -> int:
@@ -588,8 +590,9 @@ class ProgramBuilder(LaneSteps):
 
     def _binary_op(self, op: str, a, b):
         if isinstance(a, Scal) and isinstance(b, Scal):
-            if op in _PY_BINARY:
-                return Scal(_PY_BINARY[op](a.value, b.value), a.dtype)
+            if op in _PY_BINARY:  # folded on the host (a mask of two constant bounds)
+                dtype = torch.bool if op in COMPARISONS else a.dtype
+                return Scal(_PY_BINARY[op](a.value, b.value), dtype)
             raise Unsupported(f"{op} of two constants")
         out_bool = op in ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or")
         if isinstance(b, Scal) and not out_bool:
@@ -647,6 +650,8 @@ class ProgramBuilder(LaneSteps):
             return lambda *args: self._bitwise(name, *args)
         if name in _UNARY:
             return lambda x, *rest: self._unary(name, x)
+        if name == "exp2":  # 2^x = e^(x ln 2)
+            return lambda x, *rest: self._unary("exp", self._binary("mul", x, Scal(_LN2, x.dtype)))
         if name in _BINARY:
             return lambda a, b: self._binary(name, a, b)
         if name.startswith("_"):

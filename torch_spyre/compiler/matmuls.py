@@ -23,8 +23,14 @@ MATMULS = (
     "extern_kernels.mm",
     "extern_kernels.addmm",
     "extern_kernels.bmm",
+    "extern_kernels.baddbmm",
     "extern_kernels._scaled_mm",
 )
+
+
+def has_bias(kind: str) -> bool:
+    """Whether an extern matmul's first input is its bias (``addmm``, ``baddbmm``)."""
+    return kind.endswith(("addmm", "baddbmm"))
 
 
 def _mixed_radix(pairs) -> sympy.Expr:
@@ -140,8 +146,10 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
         a, w, *scales = ins[:4]
         bias = ins[4] if len(ins) > 4 else None
     else:
-        bias = ins.pop(0) if kind.endswith("addmm") else None
+        bias = ins.pop(0) if has_bias(kind) else None
         a, w = ins
+        if float(node.kwargs.get("beta", 1)) == 0:
+            bias = None  # baddbmm(beta=0) ignores its input, NaNs included
     asz = _static(a.get_size(), node.get_name())
     wsz = _static(w.get_size(), node.get_name())
     ag, wg = _groups(a, asz), _groups(w, wsz)

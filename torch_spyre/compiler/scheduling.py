@@ -28,7 +28,7 @@ from torch.utils._ordered_set import OrderedSet
 
 from torch_spyre import settings
 from torch_spyre.compiler import degrade, eager_nodes, graph_state, host_nodes, layouts, lowering
-from torch_spyre.compiler.matmuls import MATMULS, matmul_steps, prologues, weight_prologue
+from torch_spyre.compiler.matmuls import MATMULS, has_bias, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
     _simplify,
@@ -570,7 +570,7 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
             try:
                 plan, names = plan_extern_matmul(node)
             except lowering.Unsupported as e:
-                w = node.inputs[2 if node.python_kernel_name.endswith("addmm") else 1]
+                w = node.inputs[2 if has_bias(node.python_kernel_name) else 1]
                 if w.get_name() in prologues():  # its weight was never stored: no way back
                     raise lowering.Unsupported(
                         f"spyre compiler: cannot plan {node.get_name()} with its weight's "

@@ -63,4 +63,12 @@ _PY_BINARY = {
     "minimum": min,
     "pow": lambda a, b: a**b,
     "floordiv": lambda a, b: a // b,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
 }
+#: comparisons: their value is a bool whatever the operands' dtype
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")

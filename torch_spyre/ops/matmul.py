@@ -172,6 +172,13 @@ def _baddbmm(bias, a, b, *, beta=1, alpha=1):
     return matmul(a, b, bias, float(alpha), float(beta))
 
 
+# the ``out=`` forms Inductor's extern kernels call when the compiler leaves a
+# matmul to the eager library
+kernel("bmm.out")(out_variant(_bmm))
+kernel("addmm.out")(out_variant(_addmm))
+kernel("baddbmm.out")(out_variant(_baddbmm))
+
+
 # Convolutions: ops/conv.py (the depthwise conv1d of Mamba layers runs on the
 # card, others take the host fallback); their gradients take it too.
 @kernel("convolution_backward_overrideable.default")
