@@ -555,6 +555,8 @@ class ProgramBuilder(LaneSteps):
         return out
 
     def where(self, cond, a, b):
+        if isinstance(cond, Scal):  # a condition folded on the host
+            return a if bool(cond.value) else b
         vals = [self._materialise(v) for v in (cond, a, b)]
         dt = vals[1].dtype if vals[1].dtype.is_floating_point else torch.float32
         return self._vec("where", vals, (), dt)

@@ -69,6 +69,8 @@ _PY_BINARY = {
     "ge": lambda a, b: a >= b,
     "eq": lambda a, b: a == b,
     "ne": lambda a, b: a != b,
+    "logical_and": lambda a, b: bool(a) and bool(b),
+    "logical_or": lambda a, b: bool(a) or bool(b),
 }
-#: comparisons: their value is a bool whatever the operands' dtype
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+#: ops whose value is a bool whatever the operands' dtype
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or")
