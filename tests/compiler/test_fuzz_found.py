@@ -516,3 +516,20 @@ def test_dispatch_counts_unchanged_by_the_tests():
     dispatch_stats.reset("fallback")
     _check(lambda x: F.pad(x, [1, 1, 1, 1]).sum(0), torch.randn(5, 6, 70))
     assert not dispatch_stats.counts("fallback")
+
+
+def test_an_outer_fill_never_overtakes_a_reader_of_its_buffer():
+    """Seed 800099: ``masked_fill(x > 0.25, -0.75).repeat(2, 2)``.  The repeat's
+    lane placement makes it a matmul program whose prologue (the compare and
+    the where) runs in the k loop; the two fills (0.25 and -0.75) shared one
+    LX buffer, and moving the -0.75 fill ahead of the k-loop steps overwrote
+    the threshold before the compare read it (a wrong answer).  A step moves
+    ahead only past steps it has no dependence on."""
+
+    def fn(v0, v1):
+        return v1.masked_fill(v0 > 0.25, -0.75).repeat(2, 2)
+
+    g = torch.Generator().manual_seed(800099)
+    v0 = torch.rand(4, 3, generator=g) * 4 - 2
+    v1 = torch.rand(1, 3, generator=g) * 7 + 0.14
+    _check(fn, v0[1:2], v1)

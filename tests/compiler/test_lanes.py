@@ -200,3 +200,30 @@ def test_interleaved_store_of_infinities_is_a_select():
     assert degrade.counts()["eager"] == 0
     assert torch.isinf(want).any()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["bool", "neg_inf", "wide"])
+def test_last_dim_pads_of_masks_are_the_device_cat(case):
+    """GIT's padded masks: a pad of the stick dim of a bool or -inf mask (a
+    lane table would multiply -inf by 0), or wider than a lane table, is
+    ``spyre::cat`` of fill pieces and x: planned, exact, no eager node."""
+    import torch.nn.functional as F
+
+    from torch_spyre.compiler import degrade
+
+    if case == "bool":
+        fn, x = (lambda m: F.pad(m, (0, 5), value=True) & m.any()), torch.randn(2, 7) > 0
+    elif case == "neg_inf":
+
+        def fn(x):
+            mask = torch.where(x > 0, 0.0, float("-inf"))
+            return F.pad(mask, (3, 2), value=float("-inf")) + 1
+
+        x = torch.randn(2, 7)
+    else:
+        fn, x = (lambda x: F.pad(x * 2, (1, 600), value=0.5)), torch.randn(2, 3000)
+    degrade.reset_counts()
+    torch_spyre.reset_fallback_counts()
+    got = torch.compile(fn, fullgraph=True)(x.to("spyre")).cpu()
+    assert degrade.counts()["eager"] == 0 and torch_spyre.fallback_counts() == {}
+    assert torch.equal(got, fn(x))

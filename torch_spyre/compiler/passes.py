@@ -559,13 +559,21 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             # added on the new lanes
             x, pad = node.args[0], list(node.args[1])
             value = node.args[2] if len(node.args) > 2 else 0
-            if len(pad) != 2 or min(pad) < 0 or not _last_dim(node, -1):
+            if len(pad) != 2 or min(pad) < 0 or not _on_spyre(node) or val.dim() == 0:
                 continue
             if x.meta["val"].dtype != val.dtype or not isinstance(value, int | float):
                 continue
-            if may_be_infinite(x, gm):
-                continue
             fake_mode = detect_fake_mode([val])
+            if may_be_infinite(x, gm) or not _last_dim(node, -1):
+                # a mask (-inf or bool), or too wide for a lane table: the
+                # device's cat of the fill and x, whole values moved by a DMA
+                # program, never multiplied by a table
+                with gm.graph.inserting_before(node):
+                    total = _pad_as_cat(gm, x, pad, value, val, fake_mode)
+                node.replace_all_uses_with(total)
+                gm.graph.erase_node(node)
+                changed = True
+                continue
             with gm.graph.inserting_before(node):
                 total = _lane_place(gm, x, val.shape[-1], pad[0], fake_mode)
                 if value:
@@ -583,6 +591,29 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
     if changed:
         gm.graph.eliminate_dead_code()
     return changed
+
+
+def _pad_as_cat(gm, x: torch.fx.Node, pad: list[int], value, val, fake_mode) -> torch.fx.Node:
+    """``F.pad(x, (lo, hi), value=value)`` of the last dim as ``spyre::cat`` of
+    ``full(value)`` pieces and ``x``."""
+    aten = torch.ops.aten
+    xv = x.meta["val"]
+    pieces = []
+    for width, where in ((pad[0], "lo"), (None, "x"), (pad[1], "hi")):
+        if where == "x":
+            pieces.append(x)
+            continue
+        if not width:
+            continue
+        shape = [*xv.shape[:-1], width]
+        kw = {"dtype": xv.dtype, "device": xv.device}
+        f = gm.graph.call_function(aten.full.default, (shape, value), kw)
+        with fake_mode:
+            f.meta["val"] = torch.full(shape, value, **kw)
+        pieces.append(f)
+    new = gm.graph.call_function(torch.ops.spyre.cat.default, (pieces, xv.dim() - 1))
+    new.meta.update({"val": val})
+    return new
 
 
 def _route_outer_pads(gm: torch.fx.GraphModule) -> bool:

@@ -178,9 +178,20 @@ def _prologue_first(steps, mm, kd: set[str], buffers):
     outer = [s for s in before if not on_k(s)]
     if not outer or len(outer) == len(before):
         return steps
-    k_written = {step_writes(s) for s in before if s not in outer}
-    if any(r in k_written for s in outer for r in step_reads(s)):
-        return steps  # an outer step reads a k tile: keep the program order
+    # an outer step moves ahead of the k-tile steps before it: only when it
+    # neither reads what they write (a k tile) nor writes what they read or
+    # write (LX buffers are reused: a later fill may take the buffer an
+    # earlier step still reads; fuzzer seed 800099, a wrong answer)
+    seen_reads: set[str] = set()
+    seen_writes: set[str] = set()
+    for s in before:
+        if s in outer:
+            w = step_writes(s)
+            if any(r in seen_writes for r in step_reads(s)) or w in seen_reads | seen_writes:
+                return steps  # keep the program order
+        else:
+            seen_reads.update(step_reads(s))
+            seen_writes.add(step_writes(s))
     inner = [s for s in before if s not in outer]
     return [*outer, *inner, *steps[at:]]
 
