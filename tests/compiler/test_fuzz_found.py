@@ -533,3 +533,16 @@ def test_an_outer_fill_never_overtakes_a_reader_of_its_buffer():
     v0 = torch.rand(4, 3, generator=g) * 4 - 2
     v1 = torch.rand(1, 3, generator=g) * 7 + 0.14
     _check(fn, v0[1:2], v1)
+
+
+def test_a_dim_read_at_one_position_is_not_the_whole_dims_tile():
+    """Seed 800418: ``softmax(pad(x), dim=1)`` over a dim of 2.  Inductor
+    unrolls the row's max and sum into reads of ``x[:, 0]`` and ``x[:, 1]``;
+    the read of ``x[:, 0]`` was served by the group's tile of ``x[:, j]`` (all
+    of dim 1), so every row summed itself and ``x[:, 1]`` (a wrong answer)."""
+
+    def fn(x):
+        return F.softmax(F.pad(x, [2, 3], value=0.0), dim=1)
+
+    g = torch.Generator().manual_seed(800418)
+    _check(fn, torch.rand(2, 2, 2, 1, generator=g) * 9.8 - 4.9)

@@ -325,6 +325,11 @@ class ProgramBuilder(LaneSteps):
             ):
                 return val
         for prev, val in seen:
+            if any((x is None) != (y is None) for x, y in zip(prev, idx)):
+                # a dim read at one position is not the tile of all of it
+                # (softmax over a dim of 2, unrolled: x[:, 0] is no x[:, j];
+                # fuzzer seed 800418, a wrong answer)
+                continue
             pairs = [(x, y) for x, y in zip(prev, idx) if x is not None and y is not None]
             if self._one_iteration(pairs):
                 for x, y in pairs:
