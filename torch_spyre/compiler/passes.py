@@ -50,6 +50,7 @@ from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
+from torch_spyre.compiler.storage_views import view_of_computed
 
 
 @torch.library.custom_op("spyre::embedding", mutates_args=())
@@ -284,10 +285,15 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
             continue
         with gm.graph.inserting_before(node):
             xv = x.meta.get("val")
-            if isinstance(xv, torch.Tensor) and not is_non_overlapping_and_dense_or_false(xv):
+            if isinstance(xv, torch.Tensor) and (
+                not is_non_overlapping_and_dense_or_false(xv) or view_of_computed(x)
+            ):
                 # an expanded tensor (stride 0): the functional op's value is a
                 # dense copy, and a write through the overlapping view would
-                # land several elements on one location
+                # land several elements on one location.  A view of a computed
+                # tensor (``v[1]`` of a pointwise ``v``): the write through it
+                # becomes an ``as_strided`` of the whole storage, which Inductor
+                # reads from the view's own smaller buffer (fuzzer seed 600951)
                 dense = gm.graph.call_function(
                     torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
                 )

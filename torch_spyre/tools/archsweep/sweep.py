@@ -102,6 +102,7 @@ def sweep(
     echo=print,
 ) -> dict[str, Row]:
     """Run every type not yet in ``out``; returns all rows of ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     done = load(out)
     todo = [m for m in types if m.name not in done]
     echo(f"archsweep: {len(types)} types, {len(types) - len(todo)} already in {out}")
