@@ -131,3 +131,22 @@ def test_baddbmm_is_a_matmul_program(beta):
     bias = torch.full((4, 5, 7), float("nan")) if beta == 0 else torch.randn(4, 5, 7)
     args = (bias, torch.randn(4, 5, 6), torch.randn(4, 6, 7))
     torch.testing.assert_close(_compiled(f, *args).cpu(), f(*args), rtol=1e-6, atol=1e-6)
+
+
+def test_any_unary_aten_op_is_a_vector_op_of_the_program():
+    """YOSO's ``acos``: a unary pointwise op Inductor names (``ops.acos``,
+    ``ops.atan``, ...) is the eager library's vector op for it, named
+    ``aten.<op>:unary`` in the program and resolved in any process (a
+    program loaded from Inductor's cache, after the registry was cleared)."""
+    from torch_spyre.ir import vector_ops
+
+    def f(x):
+        return torch.acos(x) * 2 + torch.atan(x) + torch.log2(x.abs() + 1) + torch.sinh(x)
+
+    x = torch.rand(4, 40) * 2 - 1
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x.to("spyre")).cpu(), f(x), rtol=1e-6, atol=1e-6)
+    assert vector_ops.VECTOR_OPS["aten.acos:unary"].cost_class == "transcendental"
+    for name in [n for n in vector_ops.VECTOR_OPS if n.endswith(":unary")]:
+        del vector_ops.VECTOR_OPS[name]
+    torch.testing.assert_close(compiled(x.to("spyre")).cpu(), f(x), rtol=1e-6, atol=1e-6)

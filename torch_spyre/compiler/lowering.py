@@ -58,6 +58,7 @@ from torch_spyre.compiler.views import (
 )
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import Buffer, Load, Matmul, Reduce, Store, Vector
+from torch_spyre.ir.vector_ops import aten_unary
 from torch_spyre.kernels import plan as planner
 from torch_spyre.kernels.plan import _dkey
 from torch_spyre.kernels.rewrites import _live, _rename_step, _reuse_buffers
@@ -579,6 +580,11 @@ class ProgramBuilder(LaneSteps):
         dt = torch.bool if op in ("logical_not", "isinf", "isnan") else torch.float32
         return self._vec(_UNARY[op], [x], (), dt)
 
+    def _aten_unary(self, name: str, vop: str, x):
+        if isinstance(x, Scal):
+            return Scal(getattr(torch.ops.aten, name)(torch.tensor(float(x.value))).item(), x.dtype)
+        return self._vec(vop, [self._materialise(x)], (), torch.float32)
+
     def _affine_of(self, x):
         if isinstance(x, Scal):
             v = x.value
@@ -663,6 +669,9 @@ class ProgramBuilder(LaneSteps):
             return lambda a, b: self._binary(name, a, b)
         if name.startswith("_"):
             raise AttributeError(name)
+        vop = aten_unary(name)
+        if vop is not None:  # acos, atan, log2, ...: the eager library's vector op
+            return lambda x, *rest: self._aten_unary(name, vop, x)
 
         def unsupported(*args, **kwargs):
             raise Unsupported(f"op {name!r}")

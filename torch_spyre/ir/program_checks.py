@@ -99,7 +99,9 @@ class ProgramChecks:
             if isinstance(s, Load):
                 partial[s.buffer] = set()
             elif isinstance(s, Vector):
-                if s.op not in ops_mod.VECTOR_OPS:
+                if s.op not in ops_mod.VECTOR_OPS and not (
+                    s.op.endswith(":unary") and ops_mod.aten_unary(s.op[5:-6]) == s.op
+                ):
                     raise ProgramError(
                         f"{at}: unknown vector op {s.op!r}; known: {', '.join(sorted(ops_mod.VECTOR_OPS))}"
                         " (add ops with torch_spyre.ir.register_op)"

@@ -41,6 +41,18 @@ class ReductionDef:
     extra_cost: tuple[str, ...] = ()
 
 
+# Ops the vector unit evaluates with its transcendental path (a table lookup /
+# iteration per element); everything else is one simple vector operation.
+TRANSCENDENTAL = {
+    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc",
+    "erfinv", "sqrt", "rsqrt", "reciprocal", "div", "pow", "silu", "gelu", "elu", "selu",
+    "celu", "mish", "softplus", "logit", "atan", "atan2", "asinh", "acosh", "atanh", "sinh",
+    "cosh", "asin", "acos", "lgamma", "digamma", "polygamma", "hardswish", "log_sigmoid_forward",
+    "xlogy", "logaddexp", "logaddexp2", "true_divide", "fmod", "remainder", "i0", "sinc",
+    "igamma", "igammac", "nextafter", "frexp", "ldexp", "hypot", "copysign",
+}  # fmt: skip
+
+
 VECTOR_OPS: dict[str, VectorOpDef] = {}
 REDUCTIONS: dict[str, ReductionDef] = {}
 
@@ -70,7 +82,35 @@ def register_reduction(
     REDUCTIONS[name] = ReductionDef(name, fn, identity, tuple(extra_cost))
 
 
+def aten_unary(name: str) -> str | None:
+    """The vector op computing ``aten.<name>`` of one tensor (an op Inductor's
+    loop IR names, ``ops.acos``), evaluated as the eager library evaluates
+    its pointwise ops (cost class from ``TRANSCENDENTAL``); None when aten
+    has no such unary pointwise op.  Programs name it ``aten.<name>:unary``,
+    which ``vector_op`` resolves in any process (a program from a cache)."""
+    packet = getattr(torch.ops.aten, name, None)
+    op = getattr(packet, "default", None) if packet is not None else None
+    if op is None or torch.Tag.pointwise not in op.tags:
+        return None
+    args = op._schema.arguments
+    if (
+        not args
+        or str(args[0].type) != "Tensor"
+        or any(not a.has_default_value() for a in args[1:])
+    ):
+        return None
+    key = f"aten.{name}:unary"
+    if key not in VECTOR_OPS:
+        out = getattr(packet, "out", None)
+        out_fn = (lambda x, *, out, _o=out: _o(x, out=out)) if out is not None else None
+        cost = "transcendental" if name in TRANSCENDENTAL else "simple"
+        register_op(key, op, cost, 1, out_fn=out_fn)
+    return key
+
+
 def vector_op(name: str) -> VectorOpDef:
+    if name not in VECTOR_OPS and name.startswith("aten.") and name.endswith(":unary"):
+        aten_unary(name[len("aten.") : -len(":unary")])
     try:
         return VECTOR_OPS[name]
     except KeyError:

@@ -17,22 +17,11 @@ import torch
 
 from torch_spyre import _C
 from torch_spyre.ir import vector_ops as sim_ops
-from torch_spyre.ir.vector_ops import VECTOR_OPS
+from torch_spyre.ir.vector_ops import TRANSCENDENTAL, VECTOR_OPS
 from torch_spyre.kernels import eager as programs
 from torch_spyre.layout import FP8_DTYPES, SUPPORTED_DTYPES
 from torch_spyre.ops import errors
 from torch_spyre.runtime import cards, launch, operands, scalars
-
-# Ops the vector unit evaluates with its transcendental path (a table lookup /
-# iteration per element); everything else is one simple vector operation.
-TRANSCENDENTAL = {
-    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc",
-    "erfinv", "sqrt", "rsqrt", "reciprocal", "div", "pow", "silu", "gelu", "elu", "selu",
-    "celu", "mish", "softplus", "logit", "atan", "atan2", "asinh", "acosh", "atanh", "sinh",
-    "cosh", "asin", "acos", "lgamma", "digamma", "polygamma", "hardswish", "log_sigmoid_forward",
-    "xlogy", "logaddexp", "logaddexp2", "true_divide", "fmod", "remainder", "i0", "sinc",
-    "igamma", "igammac", "nextafter", "frexp", "ldexp", "hypot", "copysign",
-}  # fmt: skip
 
 
 def _base(op) -> str:
