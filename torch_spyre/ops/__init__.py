@@ -23,6 +23,7 @@ def register() -> None:
         moe,
         normalization,
         paged_attention,
+        pooling,
         quantized,
         recurrent,
         reductions,
