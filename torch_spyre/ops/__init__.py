@@ -18,6 +18,7 @@ def register() -> None:
         conv,
         counting,
         dispatch,
+        losses,
         matmul,
         mlp,
         moe,

@@ -169,7 +169,14 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 def _baddbmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 0:
         return matmul(a, b, None, float(alpha))
-    return matmul(a, b, bias, float(alpha), float(beta))
+    out = matmul(a, b, bias, float(alpha), float(beta))
+    if out is NotImplemented and a.dim() == 3:
+        # a batched bias (attention's mask): the product's program, then one
+        # pointwise add of the scaled bias
+        out = matmul(a, b, None, float(alpha))
+        if out is not NotImplemented:
+            out = out + (bias if beta == 1 else bias * beta)
+    return out
 
 
 # Convolutions: ops/conv.py (the depthwise conv1d of Mamba layers runs on the

@@ -302,14 +302,18 @@ def fractional_max(x, nd, kernel_size, output_size, samples):
     ``int((i + u) * alpha) - int(u * alpha)`` (the last at S - K), with
     ``alpha = (S - K) / (O - 1)`` and ``u`` the plane's random sample, computed
     on the card in the input's dtype as the CPU kernel does."""
-    if not _served(x, nd) or samples.dtype != x.dtype:
+    if not _served(x, nd) or not samples.dtype.is_floating_point:
         return NotImplemented
     x, added = _batched(x, nd)
     k, o = _ints(kernel_size, nd), _ints(output_size, nd)
     n, c = x.shape[:2]
-    if samples.shape != (n, c, nd) or any(oi + ki - 1 > s for oi, ki, s in
-                                          zip(o, k, x.shape[2:])):  # fmt: skip
+    if samples.dim() != 3 or samples.shape[0] < n or samples.shape[1:] != (c, nd):
         return NotImplemented
+    if any(oi + ki - 1 > s for oi, ki, s in zip(o, k, x.shape[2:])):
+        return NotImplemented
+    # the samples are an input (a module may hold them on the host, in float64):
+    # the card reads them in the input's dtype
+    samples = samples[:n].to(device=x.device, dtype=x.dtype)
     values = x
     where = _index_map(x.shape[2:], x.device).expand(x.shape)
     for i in reversed(range(nd)):
