@@ -51,6 +51,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
+from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
 
 
 @torch.library.custom_op("spyre::embedding", mutates_args=())
@@ -249,6 +250,8 @@ _ROUTED = {
         torch.ops.spyre.embedding.default,
         (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
     ),
+    # pooling: a window loop no program expresses (compiler/pool_routes.py)
+    **_POOL_ROUTES,
 }
 
 
@@ -738,7 +741,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         changed = _index_put_in_place(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
-            if route is None or not _on_spyre(node):
+            if route is None or not _on_spyre(node, tuples=True):
                 continue
             routed = route(node)
             if routed is None:  # the planner serves this one itself

@@ -93,15 +93,26 @@ def _index_map(sizes, device) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------- max pool
+def max_windows(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+    """Max pooling of [N, C, *S] ``x``: the values and each one's offset in its
+    window (raster order over the kernel: what Inductor's low-memory max pool
+    keeps), or None when the geometry is not served."""
+    k, s, d, pads, o = _geometry(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    if min(o) <= 0:
+        return None  # PyTorch's error, from the host
+    win = windows.flat(windows.of(x, k, s, d, pads, -math.inf), nd)
+    values, arg = win.max(-1)
+    return values, arg, (k, s, d, pads)
+
+
 def max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     if not _served(x, nd):
         return NotImplemented
     x, added = _batched(x, nd)
-    k, s, d, pads, o = _geometry(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
-    if min(o) <= 0:
-        return NotImplemented  # PyTorch's error, from the host
-    win = windows.flat(windows.of(x, k, s, d, pads, -math.inf), nd)
-    values, arg = win.max(-1)
+    got = max_windows(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    if got is None:
+        return NotImplemented
+    values, arg, (k, s, d, pads) = got
     where = windows.flat(windows.of(_index_map(x.shape[2:], x.device), k, s, d, pads, -1), nd)
     where = where.expand(*x.shape[:2], *where.shape[2:])
     indices = torch.gather(where, -1, arg.unsqueeze(-1)).squeeze(-1)
