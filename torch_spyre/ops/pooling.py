@@ -48,6 +48,25 @@ def _served(x: torch.Tensor, nd: int) -> bool:
     return x.dtype in _FLOATS and x.dim() in (nd + 1, nd + 2) and x.numel() > 0
 
 
+def _or_empty(op):
+    """``fn`` serving an empty input too: its outputs' shapes are the op's meta
+    kernel's (which raises PyTorch's errors for arguments it rejects)."""
+
+    def wrap(fn):
+        def with_empty(x, *args, **kwargs):
+            if isinstance(x, torch.Tensor) and x.numel() == 0 and x.dtype in _FLOATS:
+                meta = op(*[torch.empty(a.shape, dtype=a.dtype, device="meta")
+                            if isinstance(a, torch.Tensor) else a for a in (x, *args)], **kwargs)  # fmt: skip
+                outs = meta if isinstance(meta, tuple) else (meta,)
+                made = tuple(torch.empty(t.shape, dtype=t.dtype, device=x.device) for t in outs)
+                return made if isinstance(meta, tuple) else made[0]
+            return fn(x, *args, **kwargs)
+
+        return with_empty
+
+    return wrap
+
+
 def _ints(v, nd: int, default=None) -> list[int]:
     if isinstance(v, int):
         v = [v]
@@ -139,11 +158,13 @@ def _pair_out(fn):
 
 
 @kernel("max_pool2d_with_indices.default")
+@_or_empty(torch.ops.aten.max_pool2d_with_indices.default)
 def _max_pool2d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     return max_pool(x, 2, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @kernel("max_pool3d_with_indices.default")
+@_or_empty(torch.ops.aten.max_pool3d_with_indices.default)
 def _max_pool3d(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     return max_pool(x, 3, kernel_size, stride, padding, dilation, ceil_mode)
 
@@ -189,6 +210,7 @@ def avg_pool(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad, 
 
 
 @kernel("avg_pool2d.default")
+@_or_empty(torch.ops.aten.avg_pool2d.default)
 def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None):  # fmt: skip
     return avg_pool(x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -196,6 +218,7 @@ def _avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_inc
 
 
 @kernel("avg_pool3d.default")
+@_or_empty(torch.ops.aten.avg_pool3d.default)
 def _avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                 divisor_override=None):  # fmt: skip
     return avg_pool(x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad,
@@ -248,11 +271,13 @@ def adaptive_max(x, nd, output_size):
 
 
 @kernel("adaptive_max_pool2d.default")
+@_or_empty(torch.ops.aten.adaptive_max_pool2d.default)
 def _adaptive_max_pool2d(x, output_size):
     return adaptive_max(x, 2, output_size)
 
 
 @kernel("adaptive_max_pool3d.default")
+@_or_empty(torch.ops.aten.adaptive_max_pool3d.default)
 def _adaptive_max_pool3d(x, output_size):
     return adaptive_max(x, 3, output_size)
 
@@ -298,11 +323,13 @@ def adaptive_avg(x, nd, output_size):
 
 
 @kernel("_adaptive_avg_pool2d.default")
+@_or_empty(torch.ops.aten._adaptive_avg_pool2d.default)
 def _adaptive_avg_pool2d(x, output_size):
     return adaptive_avg(x, 2, output_size)
 
 
 @kernel("_adaptive_avg_pool3d.default")
+@_or_empty(torch.ops.aten._adaptive_avg_pool3d.default)
 def _adaptive_avg_pool3d(x, output_size):
     return adaptive_avg(x, 3, output_size)
 
@@ -357,11 +384,13 @@ def fractional_max(x, nd, kernel_size, output_size, samples):
 
 
 @kernel("fractional_max_pool2d.default")
+@_or_empty(torch.ops.aten.fractional_max_pool2d.default)
 def _fractional_max_pool2d(x, kernel_size, output_size, random_samples):
     return fractional_max(x, 2, kernel_size, output_size, random_samples)
 
 
 @kernel("fractional_max_pool3d.default")
+@_or_empty(torch.ops.aten.fractional_max_pool3d.default)
 def _fractional_max_pool3d(x, kernel_size, output_size, random_samples):
     return fractional_max(x, 3, kernel_size, output_size, random_samples)
 
