@@ -100,6 +100,15 @@ def _as_transposed(x, weight, stride, padding, dilation, output_padding, groups)
     return x, w, pads
 
 
+def _gather(view: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The windows ``view`` copied once into a new [*shape] patch matrix (a
+    reshape would first make the view contiguous in its own shape, whose
+    sticks differ, then re-lay that: two passes)."""
+    out = torch.empty(shape, dtype=view.dtype, device=view.device)
+    out.view(view.shape).copy_(view)
+    return out
+
+
 def im2col_conv(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """The convolution as a window gather and one matmul program (None: not served)."""
     nd = x.dim() - 2
@@ -132,18 +141,19 @@ def im2col_conv(x, weight, bias, stride, padding, dilation, transposed, output_p
     win = windows.of(x, k, stride, dilation, pads, 0.0)
     order = [1, *range(2 + nd, 2 + 2 * nd), 0, *range(2, 2 + nd)]
     kk, oo = math.prod(k), math.prod(o)
-    patches = win.permute(order).reshape(groups, (c // groups) * kk, n * oo)
-    w = weight.reshape(groups, cout // groups, (c // groups) * kk)
-    if groups == 1:
+    if groups == 1:  # 2-D operands: the matmul reads them where they lie
+        patches = _gather(win.permute(order), (c * kk, n * oo))
+        w = weight.reshape(cout, c * kk)
         y = NotImplemented
         if bias is not None:  # the bias rides in the matmul program when it can
-            y = matmul.matmul(w[0], patches[0], bias.reshape(cout, 1))
+            y = matmul.matmul(w, patches, bias.reshape(cout, 1))
             if y is NotImplemented:
-                y = torch.mm(w[0], patches[0]) + bias.reshape(cout, 1)
+                y = torch.mm(w, patches) + bias.reshape(cout, 1)
         else:
-            y = torch.mm(w[0], patches[0])
-        y = y.view(1, cout, n, oo)
+            y = torch.mm(w, patches)
     else:
+        patches = _gather(win.permute(order), (groups, (c // groups) * kk, n * oo))
+        w = weight.reshape(groups, cout // groups, (c // groups) * kk)
         y = torch.bmm(w, patches).view(groups, cout // groups, n, oo)
         y = y.reshape(cout, n, oo)
         if bias is not None:

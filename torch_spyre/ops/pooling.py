@@ -4,7 +4,7 @@ composites over these.
 
 A pooling with fixed windows (max, average) gathers the padded input's
 windows on the card (``ops.windows``: one DMA program moving every window
-byte) as [N, C, *O, prod(K)] and reduces the last dim in one reduction
+byte) as [prod(K), N, C, *O] and reduces the taps in one reduction
 program: ``max`` with its in-window argmax for max pooling, ``sum`` for
 average pooling, divided by the per-position window count (a constant of the
 pooling's geometry, [*O], computed from the shapes once and cached).  The
@@ -119,8 +119,8 @@ def max_windows(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     k, s, d, pads, o = _geometry(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
     if min(o) <= 0:
         return None  # PyTorch's error, from the host
-    win = windows.flat(windows.of(x, k, s, d, pads, -math.inf), nd)
-    values, arg = win.max(-1)
+    win = windows.taps_first(windows.of(x, k, s, d, pads, -math.inf), nd)
+    values, arg = win.max(0)
     return values, arg, (k, s, d, pads)
 
 
@@ -132,9 +132,10 @@ def max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     if got is None:
         return NotImplemented
     values, arg, (k, s, d, pads) = got
-    where = windows.flat(windows.of(_index_map(x.shape[2:], x.device), k, s, d, pads, -1), nd)
-    where = where.expand(*x.shape[:2], *where.shape[2:])
-    indices = torch.gather(where, -1, arg.unsqueeze(-1)).squeeze(-1)
+    where = windows.taps_first(windows.of(_index_map(x.shape[2:], x.device), k, s, d, pads, -1),
+                               nd)  # fmt: skip
+    where = where.expand(where.shape[0], *x.shape[:2], *where.shape[3:])
+    indices = torch.gather(where, 0, arg.unsqueeze(0)).squeeze(0)
     if added:
         values, indices = values.squeeze(0), indices.squeeze(0)
     return values, indices
@@ -201,7 +202,7 @@ def avg_pool(x, nd, kernel_size, stride, padding, ceil_mode, count_include_pad, 
     k, s, d, pads, o = _geometry(x, nd, kernel_size, stride, padding, None, ceil_mode)
     if min(o) <= 0:
         return NotImplemented
-    sums = windows.flat(windows.of(x, k, s, d, pads, 0.0), nd).sum(-1)
+    sums = windows.taps_first(windows.of(x, k, s, d, pads, 0.0), nd).sum(0)
     if divisor_override:
         out = sums / float(divisor_override)
     else:

@@ -2,14 +2,16 @@
 
 ``of(x, kernel, stride, dilation, pads, value)`` pads ``x`` [N, C, *S] on the
 card (``constant_pad_nd``: a DMA program) and returns its windows as a view
-[N, C, *O, *K].  Whoever consumes the windows in another order (an im2col
-patch matrix, a pooling reduction over the last dim) reshapes the view: that
-copy is the gather, a DMA program on the card that moves every window byte
-(``ops.movement``: its modelled time is that of the bytes it moves, read and
-written once, costed by the simulator).
+[N, C, *O, *K].  Whoever consumes the windows copies the view once into the
+order it needs (an im2col patch matrix; ``taps_first`` for a pooling): that
+copy is the gather, a device-to-device copy on the card that moves every
+window byte, read and written once, costed by the simulator at the card's
+memory bandwidth.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +42,14 @@ def of(
     return x
 
 
-def flat(win: torch.Tensor, nd: int) -> torch.Tensor:
-    """Windows [N, C, *O, *K] as [N, C, *O, prod(K)] (the gather, when a copy)."""
-    return win.reshape(*win.shape[: win.dim() - nd], -1)
+def taps_first(win: torch.Tensor, nd: int) -> torch.Tensor:
+    """Windows [N, C, *O, *K] copied once into a new [prod(K), N, C, *O] (the
+    gather): the taps lead, so the output's last dim stays the stick dim (taps
+    last would pad every few-tap row to a whole stick: 64 lanes for 9 taps of
+    fp16) and a pooling reduces over the outer dim."""
+    lead = win.dim() - nd
+    out = torch.empty((math.prod(win.shape[lead:]), *win.shape[:lead]), dtype=win.dtype,
+                      device=win.device)  # fmt: skip
+    order = [*range(lead, win.dim()), *range(lead)]
+    out.view(*win.shape[lead:], *win.shape[:lead]).copy_(win.permute(order))
+    return out
