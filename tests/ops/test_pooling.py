@@ -101,3 +101,20 @@ def test_max_pool_is_a_gather_and_one_reduction():
     # outputs, the stick dim (Wo = 16 fp32 of 32 lanes) padded to whole sticks
     moved = sum(t.nbytes for t in prof.transfers if t.kind == "d2d")
     assert 9 * 2 * 16 * 16 * 16 * 4 <= moved <= 3 * 9 * 2 * 16 * 16 * 32 * 4
+
+
+def test_max_pool_without_indices_computes_no_argmax():
+    x = torch.randn(2, 8, 12, 12)
+    xs = x.to("spyre")
+    with profile() as prof:
+        got = F.max_pool2d(xs, 3, 2, 1)
+    names = [k.name for k in prof.kernels]
+    assert any(n.startswith("amax_") for n in names)
+    assert not any(n.startswith(("argmax_", "gather_")) for n in names), names
+    torch.testing.assert_close(got.cpu(), F.max_pool2d(x, 3, 2, 1))
+    # with gradients the composite keeps its indices for the backward
+    xg = x.clone().to("spyre").requires_grad_()
+    F.max_pool2d(xg, 3, 2, 1).sum().backward()
+    xc = x.clone().requires_grad_()
+    F.max_pool2d(xc, 3, 2, 1).sum().backward()
+    torch.testing.assert_close(xg.grad.cpu(), xc.grad)

@@ -124,6 +124,20 @@ def max_windows(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     return values, arg, (k, s, d, pads)
 
 
+def max_values(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
+    """Max pooling's values alone (``F.max_pool2d`` without indices): the
+    gather and one ``amax`` program, no argmax and no index gather; None when
+    not served."""
+    if not _served(x, nd):
+        return None
+    xb, added = _batched(x, nd)
+    k, s, d, pads, o = _geometry(xb, nd, kernel_size, stride, padding, dilation, ceil_mode)
+    if min(o) <= 0:
+        return None
+    values = windows.taps_first(windows.of(xb, k, s, d, pads, -math.inf), nd).amax(0)
+    return values.squeeze(0) if added else values
+
+
 def max_pool(x, nd, kernel_size, stride, padding, dilation, ceil_mode):
     if not _served(x, nd):
         return NotImplemented
