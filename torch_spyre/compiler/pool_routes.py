@@ -6,7 +6,7 @@ offset in the window); the planner has no program for a window loop, so the
 node would run op by op on the degrade path (hundreds of small kernels for
 one max pool's offset arithmetic).  The post-grad pass (``passes.py``)
 routes these nodes to custom ops that run the eager device kernels
-(``ops/pooling.py``: a window gather, a DMA program, and one reduction
+(``ops/pooling.py``: the window gather (one device copy) and one reduction
 program): counted as ``kernel``, never a host fallback.
 """
 

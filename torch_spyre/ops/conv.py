@@ -10,8 +10,8 @@ PyTorch routes convolutions of out-of-tree devices to
 * Every other convolution, 1-3d, grouped, strided, padded, dilated and
   transposed, is an im2col GEMM on the PE array (``im2col_conv``): the padded
   input's windows are gathered on the card into a patch matrix
-  [groups, C/groups * prod(K), N * prod(O)] (a DMA program that moves every
-  patch byte, ``ops.windows``), then one matmul program per call multiplies
+  [groups, C/groups * prod(K), N * prod(O)] (a device-to-device copy that moves
+  every patch byte, costed by the simulator: ``ops.windows``), then one matmul program per call multiplies
   the weights [groups, Cout/groups, C/groups * prod(K)] into it, with the
   bias fused into the matmul when there is one group.  A transposed
   convolution is the convolution of its input spread by the stride (zeros
@@ -137,7 +137,7 @@ def im2col_conv(x, weight, bias, stride, padding, dilation, transposed, output_p
     if x.numel() == 0 or weight.numel() == 0:
         out = torch.zeros(out_shape, dtype=x.dtype, device=x.device)
         return out if bias is None else out + bias.reshape(cout, *([1] * nd))
-    # [N, C, *O, *K] windows, gathered as [groups, C/g * K, N * O] (one DMA program)
+    # [N, C, *O, *K] windows, gathered as [groups, C/g * K, N * O] (one copy on the card)
     win = windows.of(x, k, stride, dilation, pads, 0.0)
     order = [1, *range(2 + nd, 2 + 2 * nd), 0, *range(2, 2 + nd)]
     kk, oo = math.prod(k), math.prod(o)

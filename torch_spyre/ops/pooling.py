@@ -3,8 +3,8 @@ max, fractional max; LP pooling and local response norm are PyTorch
 composites over these.
 
 A pooling with fixed windows (max, average) gathers the padded input's
-windows on the card (``ops.windows``: one DMA program moving every window
-byte) as [prod(K), N, C, *O] and reduces the taps in one reduction
+windows on the card (``ops.windows``: one device-to-device copy moving every
+window byte) as [prod(K), N, C, *O] and reduces the taps in one reduction
 program: ``max`` with its in-window argmax for max pooling, ``sum`` for
 average pooling, divided by the per-position window count (a constant of the
 pooling's geometry, [*O], computed from the shapes once and cached).  The
