@@ -30,9 +30,13 @@ import torch
 
 from torch_spyre.ops import windows
 from torch_spyre.ops.registry import kernel, out_variant
+from torch_spyre.runtime import cards
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+#: constants of pooling geometries (window counts, sample indices, averaging
+#: matrices) on the card, by shapes and device; rebuilt cards drop them
 _consts: dict = {}
+cards.on_reset(_consts.clear)
 
 
 def _batched(x: torch.Tensor, nd: int) -> tuple[torch.Tensor, bool]:
@@ -102,6 +106,8 @@ def _const(key, make) -> torch.Tensor:
     """A constant of a pooling's geometry, made on the host once and kept on the card."""
     t = _consts.get(key)
     if t is None:
+        if len(_consts) > 256:
+            _consts.clear()
         t = _consts[key] = make()
     return t
 
