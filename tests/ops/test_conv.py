@@ -95,3 +95,20 @@ def test_conv_reads_the_input_once_per_tap():
     x_bytes = 1 * 515 * 1024 * 2
     assert r4.dram_bytes - r2.dram_bytes >= 2 * 512 * 1024 * 2  # two more shifted reads
     assert r4.dram_bytes >= 4 * 512 * 1024 * 2 and r4.compulsory_bytes >= x_bytes
+
+
+def test_fp16_transposed_conv_is_the_correctly_rounded_result():
+    """The card sums in fp32 and rounds once; the CPU's fp16 transposed conv
+    rounds its col2im adds (why opcheck compares fp16 transposed convs with
+    the fp32 result rounded: ``FP16_REFERENCE_IN_FP32``)."""
+    from torch_spyre.tools.opcheck.compare import FP16_REFERENCE_IN_FP32
+
+    assert "nn.functional.conv_transpose2d" in FP16_REFERENCE_IN_FP32
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(1, 2, 5, 5, generator=g) * 18 - 9).half()  # OpInfo's value range
+    w = (torch.rand(2, 4, 3, 3, generator=g) * 18 - 9).half()
+    rounded = F.conv_transpose2d(x.float(), w.float()).half().float()
+    with fallback_policy("error"):
+        got = F.conv_transpose2d(x.to("spyre"), w.to("spyre")).cpu().float()
+    # within an ulp of the correctly rounded result
+    torch.testing.assert_close(got, rounded, rtol=2**-10, atol=2**-14)
