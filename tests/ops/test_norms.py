@@ -1,5 +1,5 @@
-"""Batch and instance norm (eval and batch statistics), elementwise losses and
-GLU on the card, against the CPU."""
+"""Batch and instance norm (eval and batch statistics), the losses (elementwise,
+NLL, BCE) and GLU on the card, against the CPU."""
 
 import copy
 
@@ -62,3 +62,44 @@ def test_glu_runs_on_the_card():
     with fallback_policy("error"):
         got = F.glu(x.to("spyre"), dim=1)
     torch.testing.assert_close(got.cpu(), F.glu(x, dim=1), **tolerances(torch.float32))
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"reduction": "sum"}, {"reduction": "none"}, {"weight": True},
+           {"weight": True, "reduction": "none"}, {"ignore_index": 1}],
+    ids=str,
+)  # fmt: skip
+def test_nll_loss_runs_on_the_card(kw):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 4, generator=g).log_softmax(1)
+    t = torch.tensor([0, 3, -100, 1, 2, 1])
+    if "ignore_index" in kw:
+        t[2] = 0
+    if kw.get("weight"):
+        kw = {**kw, "weight": torch.rand(4, generator=g)}
+    dev = {k: v.to("spyre") if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    with fallback_policy("error"):
+        got = F.nll_loss(x.to("spyre"), t.to("spyre"), **dev)
+    torch.testing.assert_close(got.cpu(), F.nll_loss(x, t, **kw), **tolerances(torch.float32))
+
+
+def test_cross_entropy_over_pixels_and_bce_run_on_the_card():
+    g = torch.Generator().manual_seed(5)
+    x, t = torch.randn(2, 4, 3, 3, generator=g), torch.randint(0, 4, (2, 3, 3), generator=g)
+    with fallback_policy("error"):
+        got = F.cross_entropy(x.to("spyre"), t.to("spyre"), label_smoothing=0.1)
+    want = F.cross_entropy(x, t, label_smoothing=0.1)
+    torch.testing.assert_close(got.cpu(), want, **tolerances(torch.float32))
+    p, y, w = torch.rand(4, 3, generator=g), torch.rand(4, 3, generator=g), torch.rand(3)
+    with fallback_policy("error"):
+        got = F.binary_cross_entropy(p.to("spyre"), y.to("spyre"), w.to("spyre"))
+    want = F.binary_cross_entropy(p, y, w)
+    torch.testing.assert_close(got.cpu(), want, **tolerances(torch.float32))
+
+
+def test_out_of_range_targets_and_probabilities_raise_as_on_the_cpu():
+    x = torch.randn(3, 4).log_softmax(1).to("spyre")
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        F.nll_loss(x, torch.tensor([0, 7, 1]).to("spyre"))
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        F.binary_cross_entropy(torch.full((3,), 1.5).to("spyre"), torch.ones(3).to("spyre"))

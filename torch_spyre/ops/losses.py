@@ -1,5 +1,5 @@
-"""Elementwise losses and GLU as rewrites into pointwise ops and one reduction,
-each a kernel program on the card (``ops.adapters``).
+"""Losses (elementwise, NLL, BCE) and GLU as rewrites into pointwise ops,
+gathers and reductions, each a kernel program on the card (``ops.adapters``).
 
 PyTorch's CPU kernels compute the same formulas: MSE ``(x - t)^2``,
 smooth L1 ``0.5 d^2 / beta if d < beta else d - 0.5 beta`` and Huber
@@ -74,3 +74,64 @@ def _glu(op, bound):
         return NotImplemented  # PyTorch's error, from the host
     a, b = x.chunk(2, dim)
     return a * torch.sigmoid(b)
+
+
+# ----------------------------------------------------------------- NLL and BCE
+def _nll(op, bound):
+    """``nll_loss_forward`` / ``nll_loss2d_forward``: (loss, total weight), as
+    PyTorch's CPU kernels define them: each sample's ``-x[target]`` times its
+    class weight, an ignored target counting neither loss nor weight; the
+    mean divides by the total weight."""
+    x, target = bound["self"], bound["target"]
+    weight, reduction = bound.get("weight"), int(bound.get("reduction", 1))
+    ignore = int(bound.get("ignore_index", -100))
+    if not _spyre_float(x) or not isinstance(target, torch.Tensor) or target.dtype != torch.int64:
+        return NotImplemented
+    if target.device != x.device or (weight is not None and not _spyre_float(weight)):
+        return NotImplemented
+    single = x.dim() == 1
+    if single:
+        x, target = x.unsqueeze(0), target.unsqueeze(0)
+    if x.dim() < 2 or x.shape[0] != target.shape[0] or target.shape[1:] != x.shape[2:]:
+        return NotImplemented  # PyTorch's shape errors, from the host
+    if x.numel() == 0 or target.numel() == 0:
+        return NotImplemented
+    keep = target != ignore
+    safe = torch.where(keep, target, torch.zeros_like(target))
+    bad = (safe < 0) | (safe >= x.shape[1])
+    if bool(bad.any()):  # PyTorch's error, naming the first bad target
+        raise IndexError(f"Target {int(safe[bad][0])} is out of bounds.")
+    picked = -torch.gather(x, 1, safe.unsqueeze(1)).squeeze(1)
+    w = keep.to(x.dtype)
+    if weight is not None:
+        w = w * weight.index_select(0, safe.reshape(-1)).view(safe.shape)
+    losses = torch.where(keep, picked * w, torch.zeros_like(picked))
+    if reduction == 0:
+        total = torch.zeros((), dtype=x.dtype, device=x.device)
+        return (losses.squeeze(0) if single else losses), total
+    total, summed = w.sum(), losses.sum()
+    return (summed / total if reduction == 1 else summed), total
+
+
+adapter("nll_loss_forward", "nll_loss2d_forward",
+        reason="negative log likelihood: a gather of the targets' log-probabilities, "
+               "their class weights, and a weighted sum")(_nll)  # fmt: skip
+
+
+@adapter("binary_cross_entropy", reason="pointwise logs (clamped at -100) and a mean or sum")
+def _bce(op, bound):
+    x, t = bound["self"], bound["target"]
+    weight, reduction = bound.get("weight"), int(bound.get("reduction", 1))
+    if not _spyre_float(x) or not _spyre_float(t) or t.dtype != x.dtype or x.shape != t.shape:
+        return NotImplemented
+    if x.numel() == 0 or (weight is not None and not _spyre_float(weight)):
+        return NotImplemented
+    if bool(((x < 0) | (x > 1)).any()):
+        raise RuntimeError("all elements of input should be between 0 and 1")
+    # PyTorch's CPU kernel: (t - 1) * max(log1p(-x), -100) - t * max(log(x), -100)
+    loss = (t - 1) * torch.clamp(torch.log1p(-x), min=-100) - t * torch.clamp(
+        torch.log(x), min=-100
+    )
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)
