@@ -77,3 +77,36 @@ def test_compiled_cnn_runs_on_the_card(make, shape):
     assert not any(degrade.counts().values())
     kernels = dispatch_stats.counts("kernel")
     assert kernels.get("convolution_overrideable.default", 0) >= 1
+
+
+def _hf_backbone(kind: str):
+    transformers = pytest.importorskip("transformers")
+    if kind == "resnet":
+        cfg = transformers.ResNetConfig(
+            embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"
+        )
+        return transformers.ResNetModel(cfg)
+    cfg = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
+    return transformers.ConvNextModel(cfg)
+
+
+@pytest.mark.parametrize("kind", ["resnet", "convnext"])
+def test_tiny_hf_vision_backbones_run_on_the_card_eager_and_compiled(kind):
+    """Hugging Face ResNet (its stem's max pool sees an odd 33x33 map: the eager
+    values-only max pool must not leak into the traced graph) and ConvNeXt
+    (depthwise 7x7 convs, layer norms)."""
+    torch.manual_seed(0)
+    model = _hf_backbone(kind).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        want = model(x).pooler_output
+        dev = copy.deepcopy(model).to("spyre")
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            dispatch_stats.reset()
+            fn = torch.compile(dev, fullgraph=True, dynamic=False) if compiled else dev
+            with fresh_cache():
+                got = fn(x.to("spyre")).pooler_output
+            torch.testing.assert_close(got.cpu(), want, **tolerances(torch.float32))
+            assert dispatch_stats.counts("fallback") == {}
+            assert dispatch_stats.counts("degraded") == {}

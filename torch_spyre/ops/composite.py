@@ -58,7 +58,10 @@ def _max_pool(nd: int):
 
     def impl(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
         args = (x, kernel_size, stride, padding, dilation, ceil_mode)
-        if x.device.type == "spyre" and not (torch.is_grad_enabled() and x.requires_grad):
+        # a plain tensor: under tracing (fake or functional tensors) the graph
+        # keeps max_poolNd_with_indices, which the compiler routes itself
+        eager = type(x) is torch.Tensor and x.device.type == "spyre"
+        if eager and not (torch.is_grad_enabled() and x.requires_grad):
             from torch_spyre.ops import pooling
 
             out = pooling.max_values(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
