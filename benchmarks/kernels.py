@@ -59,7 +59,7 @@ TARGET_MLP_GAIN = 0.17  # fused vs unfused SwiGLU
 @dataclass
 class Case:
     name: str
-    kind: str  # matmul | gemv | softmax | norm | mlp | attention
+    kind: str  # matmul | gemv | softmax | norm | mlp | attention | conv | pool
     #: shapes of the fp16 inputs, and the function of them
     shapes: list[tuple[int, ...]]
     fn: Callable
@@ -109,6 +109,14 @@ def _w8a8(a, w, sa, sw):
 
 def _attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _conv3x3(x, w):
+    return F.conv2d(x, w, padding=1)
+
+
+def _maxpool(x):
+    return F.max_pool2d(x, 3, 2, 1)
 
 
 def _nbytes(*shapes: tuple[int, ...]) -> int:
@@ -187,6 +195,30 @@ def cases() -> list[Case]:
         )
     )
     out += _eight_bit_cases()
+    # a ResNet-50 stage-1 3x3 convolution and the stem's max pool (issue 28):
+    # im2col on the card (the window gather, a DMA program) and one matmul
+    # program; the pool a window gather and one reduction
+    n, c, hw = 8, 64, 56
+    out.append(
+        Case(
+            f"conv2d 3x3 {c}->{c} {hw}x{hw} N={n}",
+            "conv",
+            [(n, c, hw, hw), (c, c, 3, 3)],
+            _conv3x3,
+            2.0 * n * c * hw * hw * c * 9,
+            _nbytes((n, c, hw, hw), (c, c, 3, 3), (n, c, hw, hw)),
+        )
+    )
+    out.append(
+        Case(
+            f"max_pool2d 3x3/2 {c}x{2 * hw}x{2 * hw} N={n}",
+            "pool",
+            [(n, c, 2 * hw, 2 * hw)],
+            _maxpool,
+            0.0,
+            _nbytes((n, c, 2 * hw, 2 * hw), (n, c, hw, hw)),
+        )
+    )
     s, nh, d = 1024, 32, 128
     out.append(
         Case(
@@ -259,6 +291,7 @@ class Figures:
     dram_MB: float
     ring_MB: float
     vector_ops: float
+    copies_us: float = 0.0  # device-to-device copies (in time_us)
     per_kernel: list[dict] = field(default_factory=list)
 
 
@@ -320,12 +353,15 @@ def measure(case: Case, mode: str, execute: bool = False) -> Figures:
     ks = prof.kernels
     if not ks:
         raise RuntimeError(f"{case.name} ({mode}): no kernel ran on the card")
-    total = sum(k.time_s for k in ks)
+    # copies on the card (a convolution's window gather) take time too
+    moves = sum(t.time_s for t in prof.transfers if t.kind == "d2d")
+    total = sum(k.time_s for k in ks) + moves
     longest = max(ks, key=lambda k: k.time_s)
     return Figures(
         time_us=total * 1e6,
         kernels=len(ks),
         utilisation=sum(k.utilisation * k.time_s for k in ks) / total,
+        copies_us=moves * 1e6,
         bottleneck=longest.bottleneck,
         cores=max(k.cores_used for k in ks),
         dram_MB=sum(k.report.dram_bytes for k in ks) / 1e6,

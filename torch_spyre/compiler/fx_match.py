@@ -8,8 +8,12 @@ import torch
 VIEWS = ("reshape", "view", "_unsafe_view")
 
 
-def on_spyre(node: torch.fx.Node) -> bool:
+def on_spyre(node: torch.fx.Node, tuples: bool = False) -> bool:
+    """Whether ``node``'s value is a spyre tensor (``tuples``: or a tuple whose
+    first value is: a max pool's values and offsets)."""
     val = node.meta.get("val")
+    if tuples and isinstance(val, list | tuple) and val:
+        val = val[0]
     return isinstance(val, torch.Tensor) and val.device.type == "spyre"
 
 

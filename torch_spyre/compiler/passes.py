@@ -50,6 +50,7 @@ from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
+from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
 from torch_spyre.compiler.storage_views import view_of_computed
 
 
@@ -249,6 +250,8 @@ _ROUTED = {
         torch.ops.spyre.embedding.default,
         (n.args[0], n.args[1]),  # padding_idx etc. only matter for the backward
     ),
+    # pooling: a window loop no program expresses (compiler/pool_routes.py)
+    **_POOL_ROUTES,
 }
 
 
@@ -730,7 +733,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         changed = _index_put_in_place(gm) or changed
         for node in list(gm.graph.nodes):
             route = _ROUTED.get(node.target) if node.op == "call_function" else None
-            if route is None or not _on_spyre(node):
+            if route is None or not _on_spyre(node, tuples=True):
                 continue
             routed = route(node)
             if routed is None:  # the planner serves this one itself

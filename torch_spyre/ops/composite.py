@@ -11,7 +11,13 @@ take the CPU's choices, which the card cannot honour:
   fp32 (docs/hardware.md, "dtypes"); an empty batch gets fp32 statistics.
   Any other input takes the composite body unchanged.
 
-It is registered for the PrivateUse1 key and its autograd key,
+* ``max_pool1d/2d/3d`` (``F.max_poolNd`` without indices) call
+  ``max_poolNd_with_indices`` on every device but the CPU and drop the
+  indices: on the card, an argmax program and an index gather for nothing.
+  Without gradients the card computes the values alone
+  (``ops.pooling.max_values``); with them, the composite body runs.
+
+They are registered for the PrivateUse1 key and its autograd key,
 calling the composite body (``op.decompose``) wherever it does not step in,
 so autograd through it is what the composite gives.
 """
@@ -47,6 +53,26 @@ def _batch_norm_impl_index(input, weight, bias, running_mean, running_var, train
     )
 
 
+def _max_pool(nd: int):
+    op = getattr(torch.ops.aten, f"max_pool{nd}d").default
+
+    def impl(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        args = (x, kernel_size, stride, padding, dilation, ceil_mode)
+        # a plain tensor: under tracing (fake or functional tensors) the graph
+        # keeps max_poolNd_with_indices, which the compiler routes itself
+        eager = type(x) is torch.Tensor and x.device.type == "spyre"
+        if eager and not (torch.is_grad_enabled() and x.requires_grad):
+            from torch_spyre.ops import pooling
+
+            out = pooling.max_values(x, nd, kernel_size, stride, padding, dilation, ceil_mode)
+            if out is not None:
+                dispatch_stats.record("kernel", f"max_pool{nd}d")
+                return out
+        return op.decompose(*args)
+
+    return impl
+
+
 def register() -> None:
     if _libs:
         return
@@ -55,4 +81,6 @@ def register() -> None:
     lib = torch.library.Library("aten", "IMPL")
     for key in ("PrivateUse1", "AutogradPrivateUse1"):
         lib.impl("_batch_norm_impl_index", entry(_batch_norm_impl_index), key)
+        for nd in (1, 2, 3):
+            lib.impl(f"max_pool{nd}d", entry(_max_pool(nd)), key)
     _libs.append(lib)

@@ -169,7 +169,17 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 def _baddbmm(bias, a, b, *, beta=1, alpha=1):
     if beta == 0:
         return matmul(a, b, None, float(alpha))
-    return matmul(a, b, bias, float(alpha), float(beta))
+    out = matmul(a, b, bias, float(alpha), float(beta))
+    if out is NotImplemented and a.dim() == 3 and a.dtype == torch.float32:
+        # a batched bias (attention's mask): the product's program, then one
+        # pointwise add of the scaled bias.  fp32 only: in 16 bits the product
+        # would be rounded before the add (two roundings where PyTorch has
+        # one), and attention logits of a few hundred lose the softmax's
+        # precision (OpInfo's fp16 multi_head_attention_forward sample 134)
+        out = matmul(a, b, None, float(alpha))
+        if out is not NotImplemented:
+            out = out + (bias if beta == 1 else bias * beta)
+    return out
 
 
 # the ``out=`` forms Inductor's extern kernels call when the compiler leaves a

@@ -24,7 +24,7 @@ MOVEMENT = {
     "cat", "stack", "index_select", "gather", "scatter", "scatter_add", "scatter_reduce",
     "index_add", "index_copy", "index_fill", "index", "index_put", "_index_put_impl",
     "_unsafe_index", "embedding", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-    "replication_pad1d", "replication_pad2d", "tril", "triu", "flip", "roll", "repeat",
+    "replication_pad1d", "replication_pad2d", "reflection_pad3d", "replication_pad3d", "tril", "triu", "flip", "roll", "repeat",
     "repeat_interleave", "masked_fill", "masked_scatter", "masked_select", "take", "put",
     "diag", "diag_embed", "nonzero", "where", "one_hot", "im2col", "channel_shuffle",
     "pixel_shuffle", "pixel_unshuffle", "slice_scatter", "select_scatter",

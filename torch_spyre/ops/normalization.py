@@ -128,3 +128,67 @@ def _fused_rms_norm_backward(grad_out, x, normalized_shape, rstd, weight, output
 
 _RMS_FORWARD = decomposition_table[torch.ops.aten._fused_rms_norm.default]
 _RMS_BACKWARD = decomposition_table[torch.ops.aten._fused_rms_norm_backward.default]
+
+
+# ----------------------------------------------------------------- batch norm
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm (instance norm runs as one over [1, N*C, ...]) on the card.
+
+    Training: the batch statistics are one ``var_mean`` reduction program
+    over every dim but the channels; the running statistics are updated in
+    place (PyTorch's rule: the unbiased variance).  Then, as PyTorch's CPU
+    kernel does, the per-channel affine ``alpha = weight * invstd``,
+    ``beta = bias - mean * alpha`` (vectors of C), and one pointwise pass
+    ``out = x * alpha + beta`` over the input."""
+    if x.dtype not in _FLOATS or x.dim() < 2 or x.numel() == 0:
+        raise NoKernel
+    for t in (weight, bias, running_mean, running_var):
+        if t is not None and t.dtype != x.dtype:
+            raise NoKernel
+    c = x.shape[1]
+    if training:
+        dims = [0, *range(2, x.dim())]
+        n = x.numel() // c
+        var, mean = torch.var_mean(x, dims, correction=0)
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        if running_var is not None:
+            unbiased = var * (n / (n - 1)) if n > 1 else var
+            running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+        save_mean, save_invstd = mean, invstd
+    else:
+        if running_mean is None or running_var is None:
+            raise NoKernel
+        mean, invstd = running_mean, torch.rsqrt(running_var + eps)
+        save_mean = torch.empty(0, dtype=x.dtype, device=x.device)
+        save_invstd = torch.empty(0, dtype=x.dtype, device=x.device)
+    alpha = invstd if weight is None else invstd * weight
+    beta = -mean * alpha if bias is None else bias - mean * alpha
+    shape = (c, *([1] * (x.dim() - 2)))
+    out = torch.addcmul(beta.view(shape), x, alpha.view(shape))
+    return out, save_mean, save_invstd
+
+
+@kernel("native_batch_norm.default")
+def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    return batch_norm(
+        x, weight, bias, running_mean, running_var, training, float(momentum), float(eps)
+    )
+
+
+@kernel("_native_batch_norm_legit_no_training.default")
+def _batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    return batch_norm(x, weight, bias, running_mean, running_var, False, float(momentum),
+                      float(eps))  # fmt: skip
+
+
+@kernel("_native_batch_norm_legit.default")
+def _batch_norm_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    return batch_norm(x, weight, bias, running_mean, running_var, training, float(momentum),
+                      float(eps))  # fmt: skip
+
+
+@kernel("_native_batch_norm_legit.no_stats")
+def _batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    return batch_norm(x, weight, bias, None, None, training, float(momentum), float(eps))

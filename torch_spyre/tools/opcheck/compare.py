@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.testing import TOLERANCE_TABLE
@@ -47,6 +47,19 @@ HOST_ARGUMENTS: dict[str, tuple[int, ...]] = {
 # resize_ keeps the first elements and leaves the grown part uninitialized:
 # compare the kept prefix only.
 RESIZE_OPS = frozenset({"resize_", "resize_as_"})
+
+# Ops whose CPU kernel rounds intermediates to fp16: the CPU's transposed
+# convolution (slow_conv_transpose: a GEMM into fp16 columns, then col2im
+# adding the overlapping columns in fp16) strays several ulps of its
+# intermediates (~1e-1 at OpInfo's magnitudes of a few hundred) from the
+# correctly rounded result, beyond the fp16 tolerance of its own result.
+# Their fp16 reference is the op computed in fp32 and rounded once (the
+# device sums in fp32 and rounds once; measured on every sample: the device is
+# within tolerance of that, the fp16 CPU is not on 10 of them).
+FP16_REFERENCE_IN_FP32 = frozenset(
+    {"nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
+     "nn.functional.conv_transpose3d"}
+)  # fmt: skip
 
 # A sample whose tensors hold more elements than this is skipped: the
 # simulated card would take minutes on it and it adds nothing a smaller
@@ -235,6 +248,14 @@ def _shapes_in(text: str) -> set[tuple[int, ...]]:
     return found
 
 
+def _fp32(t):
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.float16 else t
+
+
+def _fp16(t):
+    return t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+
 def _names_op_and_shape(message: str, op: Any, sample: Any) -> bool:
     """Does an error message say which op failed and on which shapes (design brief)?"""
     text = message.lower()
@@ -271,6 +292,9 @@ def run_sample(op: Any, sample: Any, dtype: torch.dtype) -> SampleOutcome:
     try:
         with torch.no_grad(), recorder:
             expected = op(*cpu_args, **cpu_kwargs)
+            if dtype == torch.float16 and op.name in FP16_REFERENCE_IN_FP32:
+                up = tree_map(_fp32, (cpu_args, cpu_kwargs))
+                expected = tree_map(_fp16, op(*up[0], **up[1]))
     except Exception as e:
         return SampleOutcome("skipped", f"CPU reference raises {type(e).__name__}")
     if (bad := _unsupported(expected)) is not None:
