@@ -30,6 +30,7 @@ def register() -> None:
         reductions,
         registry,
         ssm,
+        transformer,
     )
     from torch_spyre.runtime.registration import entry
 
