@@ -544,3 +544,17 @@ def test_a_dim_read_at_one_position_is_not_the_whole_dims_tile():
 
     g = torch.Generator().manual_seed(800418)
     _check(fn, torch.rand(2, 2, 2, 1, generator=g) * 9.8 - 4.9)
+
+
+def test_a_matmul_stored_in_sub_stick_pieces():
+    """Seed 803940: ``x @ x.reshape(31, 62)`` with x [31, 2, 31]: the matmul's
+    store cuts the stick dim into pieces (a lane placement), and the check
+    whether its value may be infinite read the node's FX origins, which the
+    matmul path never set (the builder's attribute fallback answered with a
+    function: the compile failed)."""
+
+    def fn(v0):
+        return v0 @ v0.reshape(31, 62)
+
+    g = torch.Generator().manual_seed(803940)
+    _check(fn, torch.rand(31, 2, 31, generator=g) * 4 - 2, atol=1e-4)

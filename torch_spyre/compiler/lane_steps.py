@@ -171,5 +171,5 @@ class LaneSteps:
         origins: ``compiler/infinities.py``); unknown origins are not."""
         if not value.dtype.is_floating_point:
             return True
-        origins = getattr(self, "node_origins", None)
+        origins = self.node_origins
         return bool(origins) and not any(may_be_infinite(o) for o in origins)

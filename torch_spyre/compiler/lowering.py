@@ -126,6 +126,8 @@ class ProgramBuilder(LaneSteps):
         self.scalars: set[str] = set()
         self._n = 0
         self.node_vars: list[str] = []
+        #: the FX nodes the node being lowered computes (``lane_steps._finite``)
+        self.node_origins: tuple = ()
         #: (buffer, layout) -> modelled seconds of the kernels reading a
         #: stored buffer in that layout (``compiler.layouts.consumers_cost``)
         self.readers_cost = None

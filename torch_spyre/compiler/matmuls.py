@@ -138,6 +138,7 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     run in the matmul's k loop, in LX, and the dequantised weight never
     reaches device memory."""
     kind = node.python_kernel_name
+    b.node_origins = tuple(getattr(node, "origins", None) or ())
     ins = list(node.inputs)
     scaled = kind.endswith("_scaled_mm")
     scales = []

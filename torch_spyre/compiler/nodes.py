@@ -249,7 +249,6 @@ def run_nodes(b: lowering.ProgramBuilder, nodes, factors: dict | None = None) ->
         rvars = _node_vars(b, "r", red, splits, len(pw))
         b.node_rvars = sorted({x.name for v in rvars for x in sympy.sympify(v).free_symbols})
         b.node_vars = [x.name for v in (*vars_, *rvars) for x in sympy.sympify(v).free_symbols]
-        #: the FX nodes this node computes (``lane_steps._finite``)
         b.node_origins = tuple(getattr(n.node, "origins", None) or ())
         store = n.node.get_store_function()
         with V.set_ops_handler(b):
