@@ -215,20 +215,26 @@ def train(data: Claims, idx: torch.Tensor, epochs: int, seed: int) -> ClaimScore
 
 
 def score_on_card(
-    model: ClaimScorer, data: Claims, batch: int, dtype: torch.dtype
+    model: ClaimScorer, data: Claims, batch: int, dtype: torch.dtype, whole_graph: bool = True
 ) -> tuple[torch.Tensor, dict]:
     """Every claim's score on the card, compiled, in batches of ``batch`` (the
-    last one padded: one compiled shape).  Returns the scores and the stats."""
+    last one padded: one compiled shape).  Returns the scores and the stats.
+
+    ``whole_graph``: Dynamo traces the LSTM too (``allow_rnn``): the scorer is
+    one compiled graph (the recurrence unrolled into per-step matmul and gate
+    programs).  Otherwise Dynamo's default: the graph breaks at the LSTM, which
+    runs as the device's recurrent programs (ops/recurrent.py) between them."""
     dev_model = ClaimScorer(data.tab.shape[1], data.seq.shape[2])
     dev_model.load_state_dict(model.state_dict())
     dev_model = dev_model.to(device="spyre", dtype=dtype).eval()
     fn = torch.compile(dev_model, dynamic=False)
+    rnn = torch._dynamo.config.patch(allow_rnn=whole_graph)
     n = data.tab.shape[0]
     torch_spyre.set_fallback_policy("silent")  # counted and reported below
     torch_spyre.reset_fallback_counts()
     dispatch_stats.reset()
     scores, times, walls = [], [], []
-    with torch.no_grad():
+    with torch.no_grad(), rnn:
         for start in range(0, n, batch):
             tab = data.tab[start : start + batch]
             seq = data.seq[start : start + batch]
@@ -503,6 +509,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("fp16", "fp32"), default="fp16", help="stage 1 on the card")
+    ap.add_argument(
+        "--lstm-programs",
+        action="store_true",
+        help="stage 1: Dynamo's default graph break at the LSTM, which runs as the device's "
+        "recurrent programs (default: one compiled graph, the LSTM unrolled)",
+    )
     ap.add_argument("--llm-dtype", choices=("float16", "float32"), default="float16")
     ap.add_argument("--max-tokens", type=int, default=160, help="LLM answer budget")
     ap.add_argument("--offline", action="store_true", help="vllm.LLM instead of vllm serve")
@@ -537,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
         cpu = model(data.tab, data.seq)
 
     # -- stage 1 on the card
-    card, st = score_on_card(model, data, args.batch, dtype)
+    card, st = score_on_card(model, data, args.batch, dtype, whole_graph=not args.lstm_programs)
     diff = float((card - cpu).abs().max())
     flips = int(((card > 0.5) != (cpu > 0.5)).sum())
     prec, rec = precision_recall(card[te], data.label[te])
@@ -553,7 +565,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     per_1000 = st["modelled_s_per_batch"] / args.batch * 1000
     print(
-        f"  on the card ({args.dtype}, torch.compile, batches of {args.batch}): "
+        f"  on the card ({args.dtype}, torch.compile"
+        + (", LSTM as recurrent programs" if args.lstm_programs else ", one graph")
+        + f", batches of {args.batch}): "
         f"{st['batches']} batches; max |card - CPU| score {diff:.2e}, {flips} decisions differ"
     )
     print(

@@ -61,6 +61,27 @@ def test_verdict_parser_rejects_what_the_schema_forbids():
             ex.parse_verdict(bad)
 
 
+@pytest.mark.parametrize("lstm_programs", [False, True], ids=["one-graph", "lstm-programs"])
+def test_stage1_on_the_card_matches_the_cpu_without_the_host(lstm_programs):
+    """Stage 1 alone (~10 s): compiled as one graph (the LSTM unrolled) or with
+    the graph break at the LSTM (the device's recurrent programs)."""
+    ex = _example()
+    argv = ["--claims", "200", "--batch", "64", "--no-llm"]
+    res = ex.main(argv + (["--lstm-programs"] if lstm_programs else []))
+    st = res["stage1"]
+    assert st["host_fallbacks"] == 0 and st["paths"]["fallback"] == 0, st["fallback_ops"]
+    assert st["paths"]["degraded"] == 0
+    assert res["max_diff"] < 1e-2 and res["decision_flips"] == 0  # seeded: deterministic
+    ops = st["kernel_ops"]
+    if lstm_programs:  # one input projection and 16 step programs per batch
+        assert ops["rnn_input_projection"] == 4 and ops["lstm_step"] == 4 * 16
+    else:
+        assert "lstm_step" not in ops
+        assert sum(n for op, n in ops.items() if op.startswith("compiled.")) >= 4 * 16
+    assert st["modelled_s_per_batch"] > 0
+    assert (res["precision"], res["recall"]) == (res["cpu_precision"], res["cpu_recall"])
+
+
 @pytest.mark.slow  # trains, compiles stage 1, starts `vllm serve` (~2-6 min on 2 cores)
 def test_fraud_triage_end_to_end(tmp_path):
     ex = _example()
