@@ -317,7 +317,7 @@ def test_moe_estimate_reads_only_the_routed_experts():
 
 
 # `spyre estimate gemma-4-26b-a4b` (prompt 1024, cache 1152, fp16, batch 1, one card)
-HOST_FALLBACKS_G4 = 8  # prefill only (the router's top-k over 1024 tokens); decode has none
+HOST_FALLBACKS_G4 = 8  # prefill only: sort + sum grouping 8,192 routed slots; decode has none
 DECODE_BYTES_G4 = 7_875_768_320
 PREFILL_FLOPS_G4 = 6_617_697_353_728
 KV_BYTES_G4 = 233_308_160
