@@ -304,11 +304,13 @@ def test_moe_estimate_reads_only_the_routed_experts():
     assert est.expert_params == 6 * per_layer
     assert est.active_params == est.params - est.expert_params + est.expert_params * 4 // 16
     assert est.weights_bytes == 2 * est.params  # all of them resident
-    # decode reads the weights except 12 of 16 experts per layer, plus the KV cache:
-    # sliding 2 KV heads x 64, full 1 x 128 (Gemma 4's full layers), 65 positions
-    kv = 2 * 65 * 2 * (5 * 2 * 64 + 1 * 1 * 128)
+    # decode reads the weights except 12 of 16 experts per layer, plus the KV cache
+    # (K and V, 2 bytes): sliding layers 2 KV heads x 64 over their 64-position
+    # window, the full layer 1 x 128 (Gemma 4's full layers) over 65 positions
+    kv = 2 * 2 * (5 * 2 * 64 * 64 + 1 * 1 * 65 * 128)
     assert est.decode_bytes == est.weights_bytes - 2 * est.expert_params * 12 // 16 + kv
-    assert est.kv_cache_bytes == 2 * 2 * 128 * (5 * 2 * 64 + 128)  # cache of 128 positions
+    # the static cache: 64 positions (the window) on sliding layers, 128 on the full one
+    assert est.kv_cache_bytes == 2 * 2 * (5 * 2 * 64 * 64 + 1 * 1 * 128 * 128)
     # the routed experts run as grouped matmul programs (4 experts per decode token)
     dec = {p.name: p for p in est.decode}["decoder layer (sliding_attention)"]
     assert [n for n, _ in dec.kernels if n.startswith("grouped_mm_4of16")]
