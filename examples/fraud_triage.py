@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
     modelled = st2["modelled_s"]
     print(
         f"  SmolLM2-135M-Instruct on the card via {st2['api']}, structured output (JSON schema); "
-        f"server up in {st2['startup_wall_s']:.0f} s wall"
+        f"{'engine' if args.offline else 'server'} up in {st2['startup_wall_s']:.0f} s wall"
     )
     for v in verdicts:
         head = (
