@@ -349,3 +349,14 @@ def test_gemma4_26b_a4b_estimate_cli(tmp_path, capsys):
     assert d["kv_cache_bytes"] == KV_BYTES_G4
     assert d["prefill_s"] == pytest.approx(PREFILL_S_G4, rel=1e-9)
     assert d["decode_s"] == pytest.approx(DECODE_S_G4, rel=1e-9)
+
+
+def test_gemma4_tensor_parallel_is_refused_with_a_reason():
+    """Per-layer head shapes (2 KV heads x 512 on full layers) are not sharded
+    yet: the CLI says so instead of planning a wrong split."""
+    from torch_spyre import cli
+
+    with pytest.raises(SystemExit, match="per-layer head shapes.*not modelled yet"):
+        cli.main(["estimate", "gemma-4-26b-a4b", "--tp", "2"])
+    with pytest.raises(ValueError, match="attention heads do not split"):
+        E.estimate("gemma-4-26b-a4b", tp=3)
