@@ -424,7 +424,7 @@ def serve_and_ask(
             time.sleep(1)
         startup = time.perf_counter() - t0
         before = _metric(metrics, "spyre:modelled_device_seconds_total")
-        answers, walls = [], []
+        answers, walls, tokens = [], [], []
         for p in prompts:
             w = time.perf_counter()
             body = {
@@ -440,6 +440,8 @@ def serve_and_ask(
             out = _post(base + "/v1/chat/completions", body, timeout=600)
             walls.append(time.perf_counter() - w)
             answers.append(out["choices"][0]["message"]["content"])
+            use = out.get("usage") or {}
+            tokens.append((use.get("prompt_tokens", 0), use.get("completion_tokens", 0)))
         after = _metric(metrics, "spyre:modelled_device_seconds_total")
         modelled = after - before if before is not None and after is not None else None
         return answers, {
@@ -447,6 +449,7 @@ def serve_and_ask(
             "token_budget": budget,
             "startup_wall_s": startup,
             "wall_s_per_claim": walls,
+            "tokens": tokens,  # (prompt, answer) per claim
             "modelled_s": modelled,
             "log": log.name,
         }
@@ -485,6 +488,7 @@ def offline_ask(folder: str, prompts: list[str], max_tokens: int, dtype: str):
         "api": "vllm.LLM.chat (offline)",
         "startup_wall_s": startup,
         "wall_s_per_claim": [(time.perf_counter() - w) / max(len(prompts), 1)] * len(prompts),
+        "tokens": [(len(o.prompt_token_ids), len(o.outputs[0].token_ids)) for o in outs],
         "modelled_s": torch.spyre.modelled_time_s() - clock,
         "log": None,
     }
@@ -519,6 +523,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=160, help="LLM answer budget")
     ap.add_argument("--offline", action="store_true", help="vllm.LLM instead of vllm serve")
     ap.add_argument("--no-llm", action="store_true", help="stage 1 only")
+    ap.add_argument(
+        "--gemma4",
+        action="store_true",
+        help="also plan stage 2 with Gemma 4 26B-A4B (spyre estimate at these requests' "
+        "lengths; ~1 min wall)",
+    )
     ap.add_argument("--startup-timeout", type=float, default=600, help="vllm serve health wait")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -666,10 +676,53 @@ def main(argv: list[str] | None = None) -> dict:
         f"  verdict 'fraud' on {res['llm_fraud_verdicts']}/{ok}; a named signal matches a "
         f"planted pattern on {res['llm_signals_matching_a_planted_pattern']}/{ok}"
     )
+    if modelled is not None:
+        # per 1,000 claims: stage 1 scores all of them, stage 2 sees the flagged share
+        share = len(flagged) / len(te)
+        res["stage2_modelled_s_per_1000"] = 1000 * share * modelled / len(verdicts)
+        print(
+            f"per 1,000 claims, modelled on one card: stage 1 {per_1000 * 1e3:.2f} ms; stage 2 "
+            f"{res['stage2_modelled_s_per_1000']:.1f} s with SmolLM2 ({share:.1%} flagged)"
+        )
+        if args.gemma4:
+            res["gemma4"] = _gemma4_per_claim(st2["tokens"], share)
     res["wall_s"] = time.perf_counter() - wall0
     print(f"wall time: {res['wall_s']:.0f} s in all")
     _write(args.json, res)
     return res
+
+
+def _gemma4_per_claim(tokens: list[tuple[int, int]], share: float) -> dict:
+    """Stage 2 with the real model: ``spyre estimate gemma-4-26b-a4b`` planned at
+    these requests' prompt and answer lengths (SmolLM2's token counts: the
+    Gemma tokenizer's differ), batch 1 on one card."""
+    from torch_spyre.models.estimate import estimate
+
+    prompt = max(p for p, _ in tokens)
+    answer = sum(a for _, a in tokens) / len(tokens)
+    prompt = -(-prompt // 64) * 64  # the estimate's 64-token buckets
+    t = time.perf_counter()
+    est = estimate("gemma-4-26b-a4b", prompt=prompt, new_tokens=max(a for _, a in tokens))
+    per_claim = est.prefill_s + answer * est.decode_s
+    out = {
+        "prompt_tokens": prompt,
+        "answer_tokens_mean": answer,
+        "prefill_s": est.prefill_s,
+        "decode_s_per_token": est.decode_s,
+        "modelled_s_per_claim": per_claim,
+        "modelled_s_per_1000_claims": 1000 * share * per_claim,
+        "host_fallbacks": est.host_fallbacks,
+        "plan_wall_s": time.perf_counter() - t,
+    }
+    print(
+        f"  Gemma 4 26B-A4B instead (spyre estimate, one card, batch 1): prefill of {prompt} "
+        f"tokens {est.prefill_s * 1e3:.1f} ms + {answer:.0f} tokens x "
+        f"{est.decode_s * 1e3:.1f} ms = {per_claim:.2f} s per claim, "
+        f"{out['modelled_s_per_1000_claims']:.0f} s per 1,000 claims "
+        f"(planned in {out['plan_wall_s']:.0f} s wall; {est.host_fallbacks} host fallbacks in "
+        "the plan: docs/models.md)"
+    )
+    return out
 
 
 def _write(path: str | None, res: dict) -> None:

@@ -102,4 +102,6 @@ def test_fraud_triage_end_to_end(tmp_path):
         assert item["error"] is None, item
         ex.parse_verdict(item["answer"])  # validates against the schema
     assert res["stage2"]["modelled_s"] is not None and res["stage2"]["modelled_s"] > 0
+    assert all(p > 0 and a > 0 for p, a in res["stage2"]["tokens"])  # the API's usage
+    assert res["stage2_modelled_s_per_1000"] > 0
     print(f"fraud_triage end to end: {wall:.0f} s wall")
