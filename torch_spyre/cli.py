@@ -100,15 +100,18 @@ def _estimate(args: argparse.Namespace) -> int:
         return _serve_plan(args, names[0], cfg, weights)
     results = []
     for name in names:
-        est = estimate.estimate(
-            name,
-            prompt=args.prompt,
-            new_tokens=args.new_tokens,
-            weights=weights,
-            config=cfg,
-            batch=args.batch,
-            tp=args.tp,
-        )
+        try:
+            est = estimate.estimate(
+                name,
+                prompt=args.prompt,
+                new_tokens=args.new_tokens,
+                weights=weights,
+                config=cfg,
+                batch=args.batch,
+                tp=args.tp,
+            )
+        except NotImplementedError as e:  # a split or shape the estimator does not model
+            raise SystemExit(f"spyre estimate {name}: {e}") from None
         print(est.format())
         print()
         results.append(est.to_json())
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument(
         "model",
-        help="granite-3.3-8b, qwen3-8b, gemma-3-27b, all, or a transformers config.json / folder",
+        help="granite-3.3-8b, qwen3-8b, gemma-3-27b, gemma-4-26b-a4b, all, or a transformers "
+        "config.json / folder",
     )
     e.add_argument("--prompt", type=int, default=1024, help="prefill tokens per request")
     e.add_argument("--batch", type=int, default=1, help="requests per step (--serve: max seqs)")

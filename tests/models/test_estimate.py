@@ -247,3 +247,116 @@ def test_granite_8b_fp8_estimate_halves_the_decode_floor(tmp_path):
     assert 1.0 <= r["decode_vs_sustained_bandwidth_floor"] <= 1.2
     assert d["decode_s"] < 0.6 * 140.7e-3  # fp16: 140.7 ms per token
     assert r["prefill_vs_compute_floor"] <= 1.5
+
+
+# ------------------------------------------------------- Gemma 4 26B-A4B (issue 28)
+G4_TINY = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=256,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_global_key_value_heads=1,
+    num_experts=16,
+    top_k_experts=4,
+    moe_intermediate_size=128,
+    sliding_window=64,
+    max_position_embeddings=512,
+)
+
+
+def test_gemma4_26b_a4b_config_has_the_checkpoint_shapes():
+    """The preset's meta model has the shapes IBM's model-op test set records for
+    gemma-4-26B-A4B-it (torch-spyre-tests 9e0a3d8) and its 25.2 B parameters."""
+    import transformers
+
+    cfg = E.model_config("gemma-4-26b-a4b")
+    assert cfg.layer_types.count("sliding_attention") == 25
+    assert cfg.layer_types.count("full_attention") == 5
+    assert all(t == "full_attention" for t in cfg.layer_types[5::6])
+    with torch.device("meta"):
+        m = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in m.parameters()) == 25_233_141_760
+    sliding, full = m.model.layers[0], m.model.layers[5]
+    assert sliding.self_attn.q_proj.weight.shape == (4096, 2816)  # 16 x 256
+    assert sliding.self_attn.k_proj.weight.shape == (2048, 2816)  # 8 x 256
+    assert full.self_attn.q_proj.weight.shape == (8192, 2816)  # 16 x 512
+    assert full.self_attn.k_proj.weight.shape == (1024, 2816)  # 2 x 512
+    assert full.self_attn.v_proj is None  # K = V
+    assert sliding.mlp.down_proj.weight.shape == (2816, 2112)
+    assert sliding.router.proj.weight.shape == (128, 2816)
+    assert sliding.experts.gate_up_proj.shape == (128, 1408, 2816)
+    assert sliding.experts.down_proj.shape == (128, 2816, 704)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def test_moe_estimate_reads_only_the_routed_experts():
+    """A tiny Gemma 4 (same code path): every expert resident, a decode step
+    reads the top-k experts' weights only; per-layer head shapes in the KV cache."""
+    est = E.estimate("gemma-4-26b-a4b", prompt=64, new_tokens=16, overrides=G4_TINY)
+    assert est.host_fallbacks == 0
+    assert est.layers == {"sliding_attention": 5, "full_attention": 1}
+    assert (est.num_experts, est.top_k) == (16, 4)
+    per_layer = 16 * (2 * 128 * 256 + 256 * 128)  # gate_up [16, 256, 256] + down [16, 256, 128]
+    assert est.expert_params == 6 * per_layer
+    assert est.active_params == est.params - est.expert_params + est.expert_params * 4 // 16
+    assert est.weights_bytes == 2 * est.params  # all of them resident
+    # decode reads the weights except 12 of 16 experts per layer, plus the KV cache
+    # (K and V, 2 bytes): sliding layers 2 KV heads x 64 over their 64-position
+    # window, the full layer 1 x 128 (Gemma 4's full layers) over 65 positions
+    kv = 2 * 2 * (5 * 2 * 64 * 64 + 1 * 1 * 65 * 128)
+    assert est.decode_bytes == est.weights_bytes - 2 * est.expert_params * 12 // 16 + kv
+    # the static cache: 64 positions (the window) on sliding layers, 128 on the full one
+    assert est.kv_cache_bytes == 2 * 2 * (5 * 2 * 64 * 64 + 1 * 1 * 128 * 128)
+    # the routed experts run as grouped matmul programs (4 experts per decode token)
+    dec = {p.name: p for p in est.decode}["decoder layer (sliding_attention)"]
+    assert [n for n, _ in dec.kernels if n.startswith("grouped_mm_4of16")]
+    assert E.experts_touched(128, 8, 1) == pytest.approx(8)
+    assert E.experts_touched(128, 8, 64) > 120
+
+
+# `spyre estimate gemma-4-26b-a4b` (prompt 1024, cache 1152, fp16, batch 1, one card)
+HOST_FALLBACKS_G4 = 8  # prefill only: sort + sum grouping 8,192 routed slots; decode has none
+DECODE_BYTES_G4 = 7_875_768_320
+PREFILL_FLOPS_G4 = 6_617_697_353_728
+KV_BYTES_G4 = 233_308_160
+PREFILL_S_G4 = 0.8741563675471126
+DECODE_S_G4 = 0.09373118393720435
+
+
+@pytest.mark.slow  # plans the real Gemma 4 26B-A4B layers: ~75 s
+def test_gemma4_26b_a4b_estimate_cli(tmp_path, capsys):
+    from torch_spyre import cli
+
+    out = tmp_path / "gemma4.json"
+    assert cli.main(["estimate", "gemma-4-26b-a4b", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "128 experts per layer, top 8" in text and "fits one card" in text
+    d = json.loads(out.read_text())
+    assert d["params"] == 25_233_141_760 and d["expert_params"] == 22_837_985_280
+    assert d["active_params"] == 3_822_530_560  # the "A4B"
+    assert d["layers"] == {"sliding_attention": 25, "full_attention": 5}
+    assert d["weights_bytes"] == 2 * d["params"]  # every expert resident
+    # sanity: a decode token reads the 8 routed experts (+ the rest), far below all weights
+    assert d["decode_bytes"] < 0.2 * d["weights_bytes"]
+    # the modelled figures are deterministic: pinned
+    assert d["host_fallbacks"] == HOST_FALLBACKS_G4
+    assert d["decode_bytes"] == DECODE_BYTES_G4
+    assert d["prefill_flops"] == PREFILL_FLOPS_G4
+    assert d["kv_cache_bytes"] == KV_BYTES_G4
+    assert d["prefill_s"] == pytest.approx(PREFILL_S_G4, rel=1e-9)
+    assert d["decode_s"] == pytest.approx(DECODE_S_G4, rel=1e-9)
+
+
+def test_gemma4_tensor_parallel_is_refused_with_a_reason():
+    """Per-layer head shapes (2 KV heads x 512 on full layers) are not sharded
+    yet: the CLI says so instead of planning a wrong split."""
+    from torch_spyre import cli
+
+    with pytest.raises(SystemExit, match="per-layer head shapes.*not modelled yet"):
+        cli.main(["estimate", "gemma-4-26b-a4b", "--tp", "2"])
+    with pytest.raises(ValueError, match="attention heads do not split"):
+        E.estimate("gemma-4-26b-a4b", tp=3)

@@ -96,3 +96,35 @@ def test_mm_into_a_row_slice():
     want = torch.zeros(9, 16)
     want[2:7] = a @ b
     torch.testing.assert_close(out.cpu(), want, **tolerances(torch.float32))
+
+
+def test_grouped_mm_splits_columns_when_a_core_span_is_exceeded(monkeypatch):
+    """The stacked experts layout interleaves the experts inside each row of
+    sticks: a large expert's phase can address more than a core's span (Gemma 4
+    26B-A4B's gate_up at decode: 483 MiB). The op then plans blocks of fewer
+    output columns, on the card, and the result is the same."""
+    import dataclasses
+
+    from torch_spyre.runtime import launch
+
+    card = get_card(0)
+    monkeypatch.setattr(
+        card, "config", dataclasses.replace(card.config, per_core_span_bytes=96 << 10)
+    )
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3, 64, generator=g)
+    wt = torch.randn(8, 448, 64, generator=g)  # [E, N, K]
+    offs = torch.tensor([1, 1, 2, 2, 3, 3, 3, 3], dtype=torch.int32)
+    want = torch.zeros(3, 448)
+    for row, e in enumerate((0, 2, 4)):
+        want[row] = a[row] @ wt[e].T
+    torch_spyre.reset_fallback_counts()
+    with fallback_policy("error"):
+        got = torch._grouped_mm(S(a), S(wt).transpose(-2, -1), offs=S(offs)).cpu()
+    assert torch_spyre.fallback_counts() == {}
+    torch.testing.assert_close(got, want, **tolerances(torch.float32))
+    keys = [k for k in launch._cache if k[0] == "grouped_mm" and k[3:5] == (64, 448)]
+    rejected = [k for k in keys if launch._cache[k].program is None]
+    used = [k for k in keys if launch._cache[k].program is not None]
+    assert rejected and "span" in launch._cache[rejected[0]].info["rejected"]
+    assert used and used[0][-1] is not None and used[0][-1] < 448  # column blocks

@@ -112,12 +112,17 @@ def grouped_matmul(
     weight_nk: bool,
     rows_total: int | None = None,
     config: HardwareConfig | None = None,
+    n_chunk: int | None = None,
 ) -> GroupedProgram:
     """``out[rows of g] = a[rows of g] @ W[g]`` (``torch._grouped_mm``), one phase per group.
 
     Operands ``a`` [R, K], ``b`` the stacked weights ([E, N, K] when
     ``weight_nk``: a transposed view of it is what transformers passes, else
-    [E, K, N]), ``out`` [R, N].
+    [E, K, N]), ``out`` [R, N].  ``n_chunk``: one phase per group and block of
+    that many output columns (the stacked layout interleaves the experts
+    inside each row of sticks, so a phase over all N columns of a large
+    expert can address more than a core's 256 MiB span: ops/moe.py retries
+    with smaller blocks when the card rejects the program).
     """
     cfg = config or HardwareConfig()
     num = len(counts)
@@ -126,16 +131,22 @@ def grouped_matmul(
     a_l, out_l = lay((r, k), dtype), lay((r, n), dtype)
     b_l = lay((num, n, k) if weight_nk else (num, k, n), dtype)
     phases = []
+    nc = min(n_chunk or n, n)
     for e, row0, rows in _phases(counts):
-        p = _matmul_template(rows, k, n, dtype, cfg)
-        p = rebase(p, "a", a_l, offsets=(row0, 0))
-        p = rebase(p, "b", b_l, lead=(e,), perm=(1, 0) if weight_nk else None)
-        p = rebase(p, "out", out_l, offsets=(row0, 0))
-        phases.append(_named(p, f"group{e}_{rows}rows"))
+        for n0 in range(0, n, nc):
+            cols = min(nc, n - n0)
+            p = _matmul_template(rows, k, cols, dtype, cfg)
+            p = rebase(p, "a", a_l, offsets=(row0, 0))
+            p = rebase(p, "b", b_l, lead=(e,), offsets=(0, n0), perm=(1, 0) if weight_nk else None)
+            p = rebase(p, "out", out_l, offsets=(row0, n0))
+            tag = f"group{e}_{rows}rows" + (f"_cols{n0}" if nc < n else "")
+            phases.append(_named(p, tag))
     if not phases:
         raise ProgramError("grouped matmul: every group is empty")
     return GroupedProgram(
-        f"grouped_mm_{len(phases)}of{num}x{k}x{n}_{sum(counts)}rows", tuple(phases)
+        f"grouped_mm_{len(phases)}of{num}x{k}x{n}_{sum(counts)}rows"
+        + (f"_by{nc}cols" if nc < n else ""),
+        tuple(phases),
     )
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import time
 from collections import Counter
@@ -124,6 +125,55 @@ MODELS: dict[str, dict[str, Any]] = {
             tie_word_embeddings=True,
         ),
     },
+    "gemma-4-26b-a4b": {
+        # the language model of google/gemma-4-26B-A4B-it (its text_config; the
+        # vision tower is not part of a text estimate).  Checked against IBM's
+        # model-op test set (tests/resource/models/gemma-4-26B-A4B-it.yaml in
+        # torch-spyre-tests 9e0a3d8): q_proj 4096/8192 x 2816 (16 heads x 256 on
+        # sliding, x 512 on full layers), k_proj 2048/1024 (8 x 256 / 2 x 512,
+        # no v_proj on full layers: K = V), dense MLP 2112, router [128, 2816],
+        # experts gate_up [128, 1408, 2816] and down [128, 2816, 704], 8 routed
+        # slots per token, a 1024-position sliding cache, logits soft-capped at 30.
+        # 30 layers, 5 sliding then 1 full; no per-layer input embeddings.
+        "source": "google/gemma-4-26B-A4B-it config.json (text_config)",
+        "config_class": "Gemma4TextConfig",
+        "values": dict(
+            vocab_size=262144,
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_hidden_layers=30,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            global_head_dim=512,
+            num_global_key_value_heads=2,
+            attention_k_eq_v=True,
+            sliding_window=1024,
+            layer_types=[
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(30)
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                },
+            },
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=262144,
+            num_kv_shared_layers=0,
+            final_logit_softcapping=30.0,
+            max_position_embeddings=262144,
+            rms_norm_eps=1e-6,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    },
 }
 ALIASES = {
     "granite": "granite-3.3-8b",
@@ -131,6 +181,8 @@ ALIASES = {
     "qwen3": "qwen3-8b",
     "gemma3-27b": "gemma-3-27b",
     "gemma-27b": "gemma-3-27b",
+    "gemma4-26b": "gemma-4-26b-a4b",
+    "gemma-4-26b": "gemma-4-26b-a4b",
 }
 
 
@@ -171,6 +223,57 @@ class _LayerCache:
         if self.whole:
             return self.keys, self.values
         return key_states, value_states
+
+
+def _layer_cfg(cfg, idx: int):
+    """Layer ``idx``'s config: its per-layer view for a heterogeneous config
+    (Gemma 4: head_dim and KV heads differ on full-attention layers)."""
+    return cfg.per_layer_config[idx] if getattr(cfg, "is_heterogeneous", False) else cfg
+
+
+def _kinds_config(cfg, kinds: list[str], first: dict[str, int]):
+    """A copy of ``cfg`` with one layer per kind (``kinds[i]`` is layer i), each
+    with the per-layer values of the first real layer of its kind."""
+    small = copy.deepcopy(cfg)
+    overrides = {}
+    if getattr(cfg, "is_heterogeneous", False):
+        spec = cfg._heterogeneity_spec.per_layer_overrides
+        overrides = {i: dict(spec[first[k]]) for i, k in enumerate(kinds) if spec.get(first[k])}
+        small.per_layer_config = None  # keyed by the real model's layer indices
+    small.num_hidden_layers = len(kinds)
+    if getattr(cfg, "layer_types", None):
+        small.layer_types = list(kinds)
+    if overrides:
+        small.per_layer_config = overrides
+    return small
+
+
+def _experts(layer: nn.Module) -> tuple[int, int]:
+    """(parameters in the layer's routed experts, number of experts): the stacked
+    expert tensors of transformers' ``@use_experts_implementation`` modules."""
+    from torch_spyre.models import moe
+
+    params, num = 0, 0
+    for mod in moe.experts_modules(layer):
+        for p in mod.parameters(recurse=False):
+            params += p.numel()
+        num = max(num, getattr(mod, "num_experts", 0) or mod.gate_up_proj.shape[0])
+    return params, num
+
+
+def _top_k(cfg) -> int:
+    for name in ("top_k_experts", "num_experts_per_tok", "moe_topk"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise ValueError(f"{type(cfg).__name__}: a mixture-of-experts config with no top-k value")
+
+
+def experts_touched(num: int, top_k: int, batch: int) -> float:
+    """Experts a decode step of ``batch`` tokens reads, expected under uniform,
+    independent routing: ``num * (1 - (1 - top_k / num) ** batch)`` (``top_k``
+    exactly at batch 1, every expert as the batch grows)."""
+    return num * (1.0 - (1.0 - top_k / num) ** batch)
 
 
 def _layer_kinds(cfg) -> list[str]:
@@ -330,14 +433,16 @@ def estimate(
     kinds = sorted(counts)
     first = {k: layer_kinds.index(k) for k in kinds}
     layer_mm = {k: _matmul_params(full.model.layers[first[k]]) for k in kinds}
+    layer_experts = {k: _experts(full.model.layers[first[k]]) for k in kinds}
+    expert_params = sum(counts[k] * layer_experts[k][0] for k in kinds)
+    num_experts = max(n for _, n in layer_experts.values())
+    top_k = _top_k(cfg) if expert_params else 0
+    active_params = params - expert_params + (expert_params * top_k // num_experts if top_k else 0)
     lm_head_params = full.get_output_embeddings().weight.numel()
     del full
 
     # one layer per kind (+ embedding, final norm, LM head), patched by the adapter
-    small_cfg = copy.deepcopy(cfg)
-    small_cfg.num_hidden_layers = len(kinds)
-    if getattr(cfg, "layer_types", None):
-        small_cfg.layer_types = list(kinds)
+    small_cfg = _kinds_config(cfg, kinds, first)
     cache_len = -(-(prompt + new_tokens) // bucket) * bucket
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(small_cfg, dtype=dtype)
@@ -367,8 +472,14 @@ def estimate(
     head = model.get_output_embeddings()
 
     hidden = cfg.hidden_size
-    n_kv = cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+
+    def head_shape(kind: str) -> tuple[int, int, int]:
+        """(query heads, KV heads, head_dim) of the layers of ``kind``."""
+        lc = _layer_cfg(cfg, first[kind])
+        heads = lc.num_attention_heads
+        return heads, lc.num_key_value_heads, getattr(lc, "head_dim", None) or hidden // heads
+
+    heads_of = {k: head_shape(k) for k in kinds}
     window = getattr(cfg, "sliding_window", None)
 
     def kv_len(kind: str) -> int:
@@ -411,9 +522,16 @@ def estimate(
         return tuple(out)
 
     def layer_step(layer, whole):
+        # Gemma 4's layers hand their keys/values to later KV-sharing layers
+        # through a dict the model passes in (none share here: a fresh one)
+        share = "shared_kv_states" in inspect.signature(layer.forward).parameters
+
         def step(h, cos, sin, positions, keys, values, mask):
             cache = _LayerCache(keys, values, positions, whole)
-            return layer(h, position_embeddings=(cos, sin), attention_mask=mask, cache=cache)
+            extra = {"shared_kv_states": {}} if share else {}
+            return layer(
+                h, position_embeddings=(cos, sin), attention_mask=mask, cache=cache, **extra
+            )
 
         return torch.compile(step, fullgraph=True, dynamic=False)
 
@@ -449,6 +567,7 @@ def estimate(
             for i, kind in enumerate(kinds):
                 cos, sin = tables[2 * i], tables[2 * i + 1]
                 length = kv_len(kind)
+                _, n_kv, head_dim = heads_of[kind]
                 keys = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
                 values = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
                 if phase == "decode":
@@ -511,8 +630,17 @@ def estimate(
     weight_bytes = (params - quant_params) * itemsize + quant_params * qitem + scale_bytes
     # decode reads every weight once, except an untied input embedding (one row)
     decode_weights = weight_bytes - (0 if tied else emb_params * itemsize)
+    # a mixture of experts: every expert is resident, a decode step reads only
+    # the experts its tokens are routed to (top-k each; experts_touched); the
+    # experts stay ``dtype`` (stacked tensors, not nn.Linear: not quantised)
+    for k in kinds:
+        e_params, num = layer_experts[k]
+        if e_params:
+            unread = 1.0 - experts_touched(num, top_k, batch) / num
+            decode_weights -= round(counts[k] * e_params * itemsize * unread)
     kv_read = batch * sum(
-        counts[k] * 2 * n_kv * min(prompt + 1, kv_len(k)) * head_dim * itemsize for k in kinds
+        counts[k] * 2 * heads_of[k][1] * min(prompt + 1, kv_len(k)) * heads_of[k][2] * itemsize
+        for k in kinds
     )
     # prefill FLOP: 2 x tokens x matmul weights, causal attention (QK^T and PV over
     # the (query, key) pairs each layer attends), the LM head on the last position
@@ -520,23 +648,23 @@ def estimate(
     for k in kinds:
         w = window if (k == "sliding_attention" and window) else prompt
         pairs = sum(min(i + 1, w) for i in range(prompt))
-        flops += counts[k] * (
-            2 * prompt * layer_mm[k] + 4 * pairs * head_dim * cfg.num_attention_heads
-        )
+        # routed experts: top_k of num per token
+        e_params, num = layer_experts[k]
+        active = layer_mm[k] + (e_params * top_k // num if num else 0)
+        flops += counts[k] * (2 * prompt * active + 4 * pairs * heads_of[k][2] * heads_of[k][0])
     flops += 2 * lm_head_params
     flops *= batch
     # memory per card at every valid split, for "needs N cards"
     per_card = {}
     kv_kinds = layer_kinds
     for n in range(1, parallel.MAX_CARDS + 1):
-        try:
-            parallel.check_tp(whole_cfg, n)
-        except ValueError:
-            continue
         if n == tp:
             per_card[n] = weight_bytes + extra + kv_bytes + act
             continue
-        w = parallel.card_weight_bytes(whole_cfg, n, dtype)
+        try:
+            w = parallel.card_weight_bytes(whole_cfg, n, dtype)  # checks the split
+        except (ValueError, NotImplementedError):
+            continue
         w = int(w * weight_bytes / max(params * itemsize, 1))  # 8-bit weights scale alike
         kv_n = parallel.kv_bytes_per_card(whole_cfg, n, batch, cache_len, itemsize, kv_kinds)
         per_card[n] = w + extra * tp // n + kv_n + act
@@ -571,6 +699,10 @@ def estimate(
         tp=tp,
         model_params=model_params or params,
         per_card_bytes=per_card,
+        expert_params=expert_params,
+        num_experts=num_experts if expert_params else 0,
+        top_k=top_k,
+        active_params=active_params,
         cards_needed=parallel.cards_needed(
             whole_cfg, dtype, card_cfg.device_memory_bytes, per_card
         ),

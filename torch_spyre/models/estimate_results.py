@@ -71,6 +71,12 @@ class Estimate:
     #: the host path (sim/hostpath.py, assumed parameters): device-only and
     #: end-to-end timelines of prefill and one decode step
     host_path: dict[str, Any] = field(default_factory=dict)
+    #: a mixture of experts: parameters in the routed experts (all resident),
+    #: experts per layer, experts per token, and the parameters one token uses
+    expert_params: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    active_params: int = 0
 
     @property
     def prefill_s(self) -> float:
@@ -168,6 +174,16 @@ class Estimate:
                 else ""
             )
             + f"; layers: {kinds}",
+            *(
+                [
+                    f"  mixture of experts: {self.num_experts} experts per layer, top {self.top_k}"
+                    f" per token; {self.expert_params / 1e9:.2f} B expert parameters, all"
+                    f" resident; {self.active_params / 1e9:.2f} B parameters active per token"
+                    " (a decode step reads only the routed experts)"
+                ]
+                if self.expert_params
+                else []
+            ),
             f"  batch {self.batch}, {self.tp} card{'s' if self.tp > 1 else ''}"
             + (
                 f" (tensor parallel; per card below: {self.params / 1e9:.2f} B of "

@@ -86,14 +86,35 @@ def spyre_experts_forward(
     return out.to(hidden_states.dtype)
 
 
+def _grouped_mm_fallback_spyre(input, weight, offs):
+    """``transformers::grouped_mm_fallback`` on the card: the grouped matmul
+    program (``torch._grouped_mm``'s device kernel), not its per-expert loop."""
+    return torch._grouped_mm(input.to(weight.dtype), weight, offs=offs)
+
+
+_fallback_registered = False
+
+
 def register() -> None:
-    """Add ``"spyre"`` to transformers' experts registry (once; public API)."""
+    """Add ``"spyre"`` to transformers' experts registry (once; public API).
+
+    Experts the device op does not describe run transformers' ``grouped_mm``
+    path; compiled with a non-bf16 dtype, it calls its custom op
+    ``transformers::grouped_mm_fallback`` (a Python loop over the experts with
+    a host read of the offsets).  Its spyre kernel registered here is the one
+    grouped matmul program per call instead."""
+    global _fallback_registered
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
     import torch_spyre.ops.moe  # noqa: F401  (defines spyre::moe_experts)
 
     if NAME not in ALL_EXPERTS_FUNCTIONS:
         ExpertsInterface.register(NAME, spyre_experts_forward)
+    if not _fallback_registered and hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        torch.library.register_kernel(
+            "transformers::grouped_mm_fallback", "spyre", _grouped_mm_fallback_spyre
+        )
+        _fallback_registered = True
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:

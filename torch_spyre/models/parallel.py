@@ -44,16 +44,19 @@ def check_tp(cfg, tp: int) -> None:
     """vLLM's rules for splitting a model over ``tp`` cards."""
     if not 1 <= tp <= MAX_CARDS:
         raise ValueError(f"--tp must be 1..{MAX_CARDS} (cards in a Spyre system), got {tp}")
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if heads % tp:
-        raise ValueError(
-            f"--tp {tp}: the model's {heads} attention heads do not split over {tp} cards; "
-            f"use a divisor of {heads}"
-        )
-    if kv % tp and tp % kv:
-        raise ValueError(
-            f"--tp {tp}: {kv} KV heads neither split over {tp} cards nor replicate evenly"
-        )
+    # a heterogeneous config (Gemma 4) has its head counts per layer
+    layers = cfg.per_layer_config if getattr(cfg, "is_heterogeneous", False) else [cfg]
+    for lc in layers:
+        heads, kv = lc.num_attention_heads, lc.num_key_value_heads
+        if heads % tp:
+            raise ValueError(
+                f"--tp {tp}: the model's {heads} attention heads do not split over {tp} cards; "
+                f"use a divisor of {heads}"
+            )
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"--tp {tp}: {kv} KV heads neither split over {tp} cards nor replicate evenly"
+            )
 
 
 def shard_config(cfg, tp: int):
@@ -61,6 +64,11 @@ def shard_config(cfg, tp: int):
     check_tp(cfg, tp)
     if tp == 1:
         return cfg
+    if getattr(cfg, "is_heterogeneous", False):
+        raise NotImplementedError(
+            f"--tp {tp}: {type(cfg).__name__} has per-layer head shapes (e.g. Gemma 4's full "
+            "attention layers); sharding them is not modelled yet: estimate it at --tp 1"
+        )
     s = copy.deepcopy(cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     s.head_dim = head_dim

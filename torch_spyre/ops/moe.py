@@ -96,6 +96,18 @@ def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, act):
     return torch.empty_like(x)
 
 
+def balanced_counts(rows: int, groups: int) -> tuple[int, ...]:
+    """``rows`` routed slots spread over ``groups`` experts as evenly as possible."""
+    q, r = divmod(rows, groups)
+    return tuple(q + (g < r) for g in range(groups))
+
+
+def _timing_only() -> bool:
+    from torch_spyre.sim import timing_only_active
+
+    return timing_only_active()
+
+
 def _device_moe(x, idx, w, w13, w2, act):
     from torch_spyre.kernels import moe
 
@@ -114,8 +126,13 @@ def _device_moe(x, idx, w, w13, w2, act):
         return torch.zeros_like(x)
     rows, counts = group_by_expert(idx.reshape(-1), num)
     # the phases are sized on the host: E integers back over PCIe
-    host_counts = tuple(int(c) for c in counts.cpu())
     r = t * k
+    if _timing_only():
+        # the routing was not computed (timing-only runs leave device memory
+        # unspecified): plan the balanced routing, deterministic (see estimate.py)
+        host_counts = balanced_counts(r, num)
+    else:
+        host_counts = tuple(int(c) for c in counts.cpu())
     # slot i (token i // k) goes to row rows[i]
     xg = torch.empty((r, h), dtype=x.dtype, device=dev)
     xg.index_copy_(0, rows, x.repeat_interleave(k, dim=0))
@@ -166,9 +183,14 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     num, k, n = b.shape
     if a.shape[1] != k or offs.shape != (num,):
         return NotImplemented
-    ends = [int(e) for e in offs.cpu()]  # the group sizes are read on the host
-    starts = [0, *ends[:-1]]
-    counts = tuple(e - s for s, e in zip(starts, ends))
+    if _timing_only():
+        # offs was not computed (timing-only): the balanced routing (see _device_moe)
+        counts = balanced_counts(a.shape[0], num)
+        ends = [sum(counts[: g + 1]) for g in range(num)]
+    else:
+        ends = [int(e) for e in offs.cpu()]  # the group sizes are read on the host
+        starts = [0, *ends[:-1]]
+        counts = tuple(e - s for s, e in zip(starts, ends))
     if any(c < 0 for c in counts) or (ends and ends[-1] > a.shape[0]):
         raise RuntimeError(
             f"_grouped_mm: offs {ends} must be non-decreasing and at most the {a.shape[0]} rows "
@@ -178,18 +200,27 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     if not any(counts) or a.numel() == 0:
         return out
     weight_nk = operands.is_whole_default(b.mT)  # transformers passes W[E, N, K].transpose
-    key = ("grouped_mm", counts, a.shape[0], k, n, a.dtype, weight_nk)
     dev = a.device
 
-    def build() -> launch.Kernel:
+    def build(chunk: int | None) -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
         return launch.Kernel(
             moe.grouped_matmul(
-                counts, k, n, a.dtype, weight_nk=weight_nk, rows_total=a.shape[0], config=cfg
+                counts, k, n, a.dtype, weight_nk=weight_nk, rows_total=a.shape[0], config=cfg,
+                n_chunk=chunk,
             )
-        )
+        )  # fmt: skip
 
-    kern = launch.kernel(key, build)
+    chunk = None
+    while True:
+        key = ("grouped_mm", counts, a.shape[0], k, n, a.dtype, weight_nk, chunk)
+        kern = launch.kernel(key, lambda c=chunk: build(c))
+        reason = str(kern.info.get("rejected", "")) if kern.program is None else ""
+        # a core's device-memory span exceeded: blocks of fewer output columns
+        cols = chunk or n
+        if "span" not in reason or cols <= 64:
+            break
+        chunk = max(64, (cols // 2 + 63) // 64 * 64)
     if kern.program is None:
         return NotImplemented
     w = b.mT if weight_nk else operands.whole(b)
