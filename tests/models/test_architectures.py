@@ -132,6 +132,24 @@ def test_rotary_table_equals_stock_module() -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_rotary_whose_probe_answers_another_width_is_plain() -> None:
+    """dots3's rotary answers the 3-row M-RoPE probe with a table of another
+    width: a plain rotary (no sections), not a size error in prepare()."""
+
+    class Rotary(torch.nn.Module):
+        def forward(self, x, pos):
+            if pos.dim() == 3:  # (3, b, s): one row, of 6 frequencies
+                return pos[0, ..., None].float().expand(-1, -1, 6).cos(), None
+            ang = pos[..., None].float() * torch.arange(1, 9)
+            return ang.cos(), ang.sin()
+
+    table = TabulatedRotaryEmbedding(Rotary(), 32, None)
+    assert table.sections is None
+    pos = torch.tensor([[0, 3, 31]])
+    for a, b in zip(table(torch.zeros(1), pos), Rotary()(torch.zeros(1), pos)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_unadapted_architecture_warns_once() -> None:
     cfg = transformers.OPTConfig(
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64, vocab_size=64,

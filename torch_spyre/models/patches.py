@@ -75,7 +75,8 @@ class TabulatedRotaryEmbedding(nn.Module):
             return None
         got = cos.reshape(-1)[-table.shape[-1] :]
         rows = table[probe.view(-1)]  # [3, dim]
-        if not torch.allclose(got, rows[0]) and got.numel() == rows.shape[1]:
+        # (a probe answer of another width, dots3's partial rotary, is no M-RoPE)
+        if got.numel() == rows.shape[1] and not torch.allclose(got, rows[0]):
             return (got[None, :] - rows).abs().argmin(0)
         return None
 
