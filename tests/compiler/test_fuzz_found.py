@@ -558,3 +558,22 @@ def test_a_matmul_stored_in_sub_stick_pieces():
 
     g = torch.Generator().manual_seed(803940)
     _check(fn, torch.rand(31, 2, 31, generator=g) * 4 - 2, atol=1e-4)
+
+
+def test_a_welford_buffer_is_computed_from_its_reduction():
+    """Seed 805763: an RMS norm then a layer norm of a repeat-interleaved,
+    transposed input.  Both run as eager nodes; the layer norm's M2 buffer
+    was tracked by Inductor to the RMS norm's rsqrt, and the eager node
+    computed that instead (a wrong answer).  A welford buffer is always
+    computed from its reduction's op."""
+
+    def fn(v0, v2, v4, v5):
+        v1 = v0.repeat_interleave(2, dim=0)
+        v3 = (v1 * torch.rsqrt(v1.pow(2).mean([-1], keepdim=True) + 1e-6)) * v2
+        return F.layer_norm(v3, (9,), v4, v5, 1e-5)
+
+    g = torch.Generator().manual_seed(805763)
+    v0 = torch.rand(9, 2, generator=g) * 4 - 2
+    v2, v4 = torch.rand(1, generator=g) + 0.5, torch.rand(9, generator=g) + 0.5
+    v5 = torch.rand(9, generator=g) - 0.5
+    _check(fn, lambda d: v0.to(d).transpose(0, 1), lambda d: v2.to(d).expand(9), v4, v5)

@@ -399,8 +399,14 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     wrapper does not hold)."""
     buf = snode.node
     name = buf.get_name()
-    root = origin_node(buf)
-    welford = _welford(buf) if root is None else None
+    # a welford reduction's buffer (a mean, an M2, a count) is computed from the
+    # reduction's op whatever Inductor tracked it to: the M2 of a layer norm
+    # after an RMS norm was tracked to the RMS norm's rsqrt (fuzzer seed
+    # 805763, a wrong answer)
+    welford = _welford(buf)
+    if welford is None and isinstance(getattr(buf, "data", None), ir.WelfordReduction):
+        raise Unsupported(f"spyre compiler: {name}: a welford reduction of no single op")
+    root = origin_node(buf) if welford is None else None
     if welford is not None:
         root = welford[0].args[0]  # the reduction's input: computed eagerly, then reduced
         if not isinstance(root, torch.fx.Node):
