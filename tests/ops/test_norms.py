@@ -23,7 +23,12 @@ NORMS = [
 ]
 
 
-@pytest.mark.parametrize("make,shape", NORMS, ids=lambda v: str(v))
+#: stable ids (a lambda's repr differs between processes, and pytest-xdist's
+#: workers must collect the same names)
+NORM_IDS = ["bn1d", "bn1d-3d", "bn2d", "bn2d-cma", "bn3d-noaffine", "in1d", "in2d-stats", "in3d"]
+
+
+@pytest.mark.parametrize("make,shape", NORMS, ids=NORM_IDS)
 def test_norm_matches_cpu_and_updates_running_stats(make, shape):
     torch.manual_seed(0)
     ref = make()
