@@ -284,22 +284,23 @@ def test_mlp_plan_is_one_pe_array_program_with_its_epilogue():
 
 
 def test_unplannable_op_degrades_with_a_message_naming_it(spyre_settings):
-    # an op the vector unit has no program step for (atan) fused into a
+    # an op the planner has no program step for (atan2: binary, not one of the
+    # vector unit's ops; unary aten ops are, lowering.aten_unary) fused into a
     # pointwise group: the node runs as eager kernels (degrade.py), with a
     # warning naming the op; compile_fallback=error refuses it
     from torch_spyre.compiler.degrade import SpyreCompileWarning
 
     def f(x):
-        return torch.atan(x * 2) + 1
+        return torch.atan2(x * 2, x + 3) + 1
 
     x = torch.randn(5, 70, dtype=H)
     torch._dynamo.reset()
-    with pytest.warns(SpyreCompileWarning, match="runs as eager kernels: op 'atan'"):
+    with pytest.warns(SpyreCompileWarning, match="runs as eager kernels: op 'atan2'"):
         got = torch.compile(f, fullgraph=True, dynamic=False)(x.to("spyre"))
     torch.testing.assert_close(got.cpu().float(), f(x.float()), **tolerances(H))
     torch._dynamo.reset()
     spyre_settings(compile_fallback="error")
-    with pytest.raises(Exception, match="runs as eager kernels: op 'atan'"):
+    with pytest.raises(Exception, match="runs as eager kernels: op 'atan2'"):
         torch.compile(f, fullgraph=True, dynamic=False)(x.to("spyre"))
 
 
