@@ -577,3 +577,21 @@ def test_a_welford_buffer_is_computed_from_its_reduction():
     v2, v4 = torch.rand(1, generator=g) + 0.5, torch.rand(9, generator=g) + 0.5
     v5 = torch.rand(9, generator=g) - 0.5
     _check(fn, lambda d: v0.to(d).transpose(0, 1), lambda d: v2.to(d).expand(9), v4, v5)
+
+
+def test_a_host_node_reads_a_graph_input_from_its_first_element():
+    """Seed 807679: ``x.index_add(2, idx, s) + v[1:2]``.  The add ran as a host
+    node from the IR (the scatter wrote its input in place first), which
+    indexes a graph input from its first element; the host copy was laid out
+    from the storage's start, so ``v[1:2]`` read the element before it (a
+    wrong answer)."""
+
+    def fn(v0, v1, v2, v4):
+        return (v0.index_add(2, v1, v2) + v4).unsqueeze(1)
+
+    g = torch.Generator().manual_seed(807679)
+    v0 = torch.rand(1, 8, 5, 7, generator=g) * 4 - 2
+    v1 = torch.randint(0, 5, (1,), generator=g)
+    v2 = torch.rand(1, 8, 2, 7, generator=g) * 4 - 2
+    v4 = torch.rand(4, generator=g) * 4 - 2
+    _check(fn, v0, v1, lambda d: v2.to(d)[:, :, ::2], lambda d: v4.to(d)[1:2])

@@ -13,6 +13,7 @@ program): counted as ``kernel``, never a host fallback.
 from __future__ import annotations
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (defines the max-pool prim routed below)
 
 from torch_spyre.ops import pooling
 

@@ -230,13 +230,17 @@ def _load_masked(flat: torch.Tensor, index) -> torch.Tensor:
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of the storage ``t`` views, flat (the IR indexes storage):
-    its elements where ``t`` has them, zeros elsewhere."""
-    extent = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
+    """A host copy of the memory ``t`` views from its first element, flat (the
+    IR indexes a buffer from its first element: Inductor's layout of a graph
+    input has offset 0 whatever the tensor's storage offset): its elements
+    where ``t`` has them, zeros elsewhere.  (Read from the storage's start, a
+    graph input ``x[1:2]`` was read as the element before it: fuzzer seed
+    807679, a wrong answer.)"""
+    extent = sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1
     flat = torch.zeros(max(extent, 1) if t.numel() else 1, dtype=t.dtype)
     if t.numel():
         # by position: an expanded tensor (stride 0) has several elements at one
-        pos = torch.full((), t.storage_offset(), dtype=torch.int64)
+        pos = torch.zeros((), dtype=torch.int64)
         for k, (n, st) in enumerate(zip(t.shape, t.stride())):
             shape = [1] * t.dim()
             shape[k] = n
@@ -259,7 +263,7 @@ def run_host(fn: Callable[..., torch.Tensor], name: str, out: torch.Tensor, *inp
         flat.index_put_((index.reshape(-1),), value.reshape(-1).to(flat.dtype), accumulate=True)
     else:
         flat[index.reshape(-1)] = value.reshape(-1)
-    out.copy_(flat.as_strided(out.shape, out.stride(), out.storage_offset()).to(out.device))
+    out.copy_(flat.as_strided(out.shape, out.stride(), 0).to(out.device))
 
 
 def out_via_eager(op, out: torch.Tensor, *args, **kwargs) -> None:
