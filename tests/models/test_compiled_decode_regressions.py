@@ -76,9 +76,30 @@ def _compiled_sweep_type(model_type: str) -> run.PathResult:
     return res
 
 
+#: the op whose groups the planner is made to refuse, so that the pattern each
+#: model was found with still runs as eager nodes (the planner serves them all
+#: now: interleaved rotary stores are lane steps, constant masks fold, ...)
+REFUSE = {
+    "cohere": "index_put_", "helium": "index_put_", "phimoe": "max", "minimax": "mean",
+    "inkling2_text": None,
+}  # fmt: skip
+
+
+#: open: with every group holding the KV-cache write refused, cohere and helium
+#: decode off by 6.3e-3 (a wrong answer of the eager-node path; also on the
+#: tree before this round, 0a710b2).  No model reaches it unforced: the
+#: planner serves their cache writes (the architecture sweep: 0 mismatches).
+_OPEN = pytest.mark.xfail(
+    strict=True, reason="open: a KV-cache write run as an eager node decodes wrong"
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["cohere", "helium", "phimoe", "minimax", "inkling2_text"])
-def test_degraded_rotary_decodes_like_the_cpu(model_type):
+@pytest.mark.parametrize(
+    "model_type",
+    [pytest.param(m, marks=_OPEN) if REFUSE[m] == "index_put_" else m for m in sorted(REFUSE)],
+)
+def test_degraded_rotary_decodes_like_the_cpu(model_type, monkeypatch):
     """Interleaved rotary that the planner cannot express runs as eager kernels
     inside the compiled graph (compiler/eager_nodes.py).  Found by the
     architecture sweep: cohere's rotated key is the value of the KV-cache
@@ -95,7 +116,24 @@ def test_degraded_rotary_decodes_like_the_cpu(model_type):
     ``mean`` to a sum (a buffer) divided in its consumers; the sum buffer was
     taken for the mean's value (read as held, or recomputed as the mean): a
     silent wrong answer; it is recomputed as the sum now."""
-    res = _compiled_sweep_type(model_type)
+    from torch._inductor.utils import fresh_cache
+
+    from torch_spyre.compiler.scheduling import SpyreScheduling
+    from torch_spyre.kernels.search import Unsupported
+
+    op = REFUSE[model_type]
+    if op is not None:
+        plan = SpyreScheduling._plan
+
+        def refusing(self, nodes, *args, **kwargs):
+            for n in nodes:
+                if any(op in str(o.target) for o in n.node.origins or ()):
+                    raise Unsupported(f"test refuses {op}")
+            return plan(self, nodes, *args, **kwargs)
+
+        monkeypatch.setattr(SpyreScheduling, "_plan", refusing)
+    with fresh_cache():  # a graph planned under the refusal stays out of the cache
+        res = _compiled_sweep_type(model_type)
     assert res.verdict == "match" and res.max_diff < 1e-6, (res.error, res.max_diff)
     assert res.degraded.get("eager", 0) > 0 and res.host_fallbacks == 0
 
