@@ -177,8 +177,7 @@ class SpyrePlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
         if vllm_config.lora_config is not None:
             raise NotImplementedError("LoRA is not supported on spyre")
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not supported on spyre")
+        _check_speculative(vllm_config.speculative_config)
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -188,6 +187,32 @@ class SpyrePlatform(Platform):
     @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
+
+
+#: speculative decoding methods the spyre model runner serves
+SPEC_METHODS = ("ngram",)
+
+
+def _check_speculative(spec) -> None:
+    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
+    the verification forward over every request's k+1 positions on the card
+    (one compiled forward per step), rejection sampling in torch ops
+    (kernels.py).  Draft-model, EAGLE, MTP and the other methods need a second
+    model on the card and are refused here, naming what works."""
+    if spec is None:
+        return
+    if spec.method not in SPEC_METHODS:
+        raise NotImplementedError(
+            f"spyre: speculative decoding method {spec.method!r} is not supported; "
+            f"supported: {', '.join(SPEC_METHODS)} (e.g. speculative_config="
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2})'
+        )
+    if spec.rejection_sample_method != "standard":
+        raise NotImplementedError(
+            f"spyre: speculative rejection_sample_method {spec.rejection_sample_method!r} "
+            "is not supported; 'standard' is"
+        )
 
 
 def _one_state_block_per_request(vllm_config: VllmConfig) -> None:
