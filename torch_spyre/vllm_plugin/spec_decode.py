@@ -56,6 +56,12 @@ def _padded(cu_num_draft_tokens: torch.Tensor, max_spec_len: int):
     return counts, idx, valid
 
 
+def _prob_dtype(device: torch.device) -> torch.dtype:
+    """float64 on the host (vLLM's precision for the acceptance test); the card
+    stores no float64, so float32 there."""
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
 def _accepted_len(accepted: torch.Tensor) -> torch.Tensor:
     """[B] length of the all-True prefix of each row of [B, S]."""
     return torch.cumprod(accepted.to(torch.int64), dim=1).sum(1)
@@ -163,12 +169,13 @@ def rejection_random_sample(
     idx = idx.clamp(max=num_tokens - 1)
     draft = draft_token_ids_ptr.to(torch.int64)[idx]  # [B, S]
     col = draft.clamp(min=0)
-    target_p = target_probs_ptr.reshape(num_tokens, -1)[idx, col].to(torch.float64)
+    fdt = _prob_dtype(target_probs_ptr.device)
+    target_p = target_probs_ptr.reshape(num_tokens, -1)[idx, col].to(fdt)
     if NO_DRAFT_PROBS or draft_probs_ptr is None:
         draft_p = torch.ones_like(target_p)
     else:
-        draft_p = draft_probs_ptr.reshape(num_tokens, -1)[idx, col].to(torch.float64)
-    u = uniform_probs_ptr.to(torch.float64)[idx]
+        draft_p = draft_probs_ptr.reshape(num_tokens, -1)[idx, col].to(fdt)
+    u = uniform_probs_ptr.to(fdt)[idx]
     safe = torch.where(draft_p > 0, draft_p, torch.ones_like(draft_p))
     accepted = valid & (draft >= 0) & (draft_p > 0) & (target_p / safe >= u)
     n_acc = _accepted_len(accepted)
