@@ -25,18 +25,14 @@ N_TOKENS = 32
 
 # Repetitive text, where prompt lookup finds the continuation in the prompt ...
 REPETITIVE = (
-    "def add(a, b):\n    return a + b\n\n"
-    "def sub(a, b):\n    return a - b\n\n"
-    "def mul(a, b):\n    return a * b\n\n"
-    "def div(a, b):\n    return a / b\n\n"
-    "def add(a, b):\n    return a + b\n\n"
-    "def sub(a, b):\n"
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,"
 )
 # ... and prompts where it mostly does not
 PROMPTS = [
     REPETITIVE,
     "The capital of France is",
-    "one two three four five one two three four five one two three four five one two",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,",
     "Write a short poem about the sea.",
 ]
 
