@@ -223,13 +223,14 @@ def _counters(llm) -> dict[str, float]:
     }
 
 
-def _run(llm, prompts: list[str]) -> dict:
+def _run(llm, prompts: list[str], **sampling) -> dict:
     from vllm import SamplingParams
 
     before = llm.collective_rpc(_runner_state)[0]
     c0 = _counters(llm)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=N_TOKENS, **GREEDY), use_tqdm=False)
+    params = SamplingParams(max_tokens=N_TOKENS, **(sampling or GREEDY))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = llm.collective_rpc(_runner_state)[0]
     c1 = _counters(llm)
@@ -286,6 +287,8 @@ def runs():
             results[k] = {
                 "batch": _run(llm, PROMPTS),
                 "single": _run(llm, [REPETITIVE]),
+                # vLLM's rejection sampling (random), seeded
+                "random": _run(llm, [REPETITIVE], temperature=0.5, seed=7, ignore_eos=True),
                 "engine_s": time.perf_counter() - t0,
             }
         finally:
@@ -301,7 +304,7 @@ def _report(results: dict) -> None:
     print(f"{N_TOKENS} tokens per prompt (prompt_lookup 2..4)")
     print("k  run     steps  forwards  drafted  accepted  rate   modelled ms/token  wall s")
     for k, r in results.items():
-        for name in ("batch", "single"):
+        for name in ("batch", "single", "random"):
             x = r[name]
             n = sum(len(t) for t in x["tokens"])
             rate = x["accepted"] / x["drafted"] if x["drafted"] else 0.0
@@ -310,6 +313,19 @@ def _report(results: dict) -> None:
                 f"{x['accepted']:8.0f}  {rate:5.1%}  {x['modelled_s'] / n * 1e3:17.3f}  "
                 f"{x['wall_s']:6.1f}"
             )
+        hist = r["single"]["history"][1:]  # decode steps of the batch-1 run
+        verify = [m for t, q, m in hist if t > q]
+        one = [m for t, q, m in hist if t == q]
+        if verify or one:
+            print(
+                f"   modelled ms per decode step, batch 1: k+1-position steps "
+                f"{_mean(verify) * 1e3:.3f} ({len(verify)}), one-token steps "
+                f"{_mean(one) * 1e3:.3f} ({len(one)})"
+            )
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 @pytest.mark.slow
@@ -341,6 +357,20 @@ def test_ngram_drafts_accepted_and_fewer_steps(runs, k):
     assert per_tok < base["single"]["modelled_s"] / N_TOKENS
     batch = spec["batch"]
     assert batch["accepted"] > 0 and batch["forwards"] == batch["steps"]
+
+
+@pytest.mark.slow
+def test_ngram_random_sampling_runs_rejection_sampling(runs):
+    """temperature > 0: vLLM's rejection sampling (the random kernels) runs
+    through the engine and accepts drafts (sampled output differs from the
+    greedy one, so only lengths and counters are checked here; the kernels
+    themselves are checked against vLLM's above)."""
+    for k in (3, 5):
+        r = runs[k]["random"]
+        assert len(r["tokens"][0]) == N_TOKENS
+        assert r["drafted"] > 0 and 0 < r["accepted"] <= r["drafted"]
+        assert r["steps"] < N_TOKENS  # drafts were accepted, so fewer steps than tokens
+    assert runs[0]["random"]["drafted"] == 0
 
 
 def test_unsupported_method_is_refused(tiny_llama_dir):
