@@ -13,7 +13,11 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
 * ``_model_forward``: the forward compiled per token bucket (compile.py), unless
   ``TORCH_SPYRE_VLLM_COMPILE=0``;
 * every step's modelled device time (``torch.spyre.modelled_time_s``) is logged
-  and exported as Prometheus metrics (metrics.py).
+  and exported as Prometheus metrics (metrics.py);
+* speculative decoding (n-gram, platform.SPEC_METHODS) is vLLM's own: the
+  verification of every request's k+1 positions is one forward of the step's
+  bucket, the LM head's row buckets hold k+1 rows per request, and the
+  rejection sampler runs the torch kernels of spec_decode.py.
 """
 
 from __future__ import annotations
