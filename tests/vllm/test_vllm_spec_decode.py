@@ -373,6 +373,49 @@ def test_ngram_random_sampling_runs_rejection_sampling(runs):
     assert runs[0]["random"]["drafted"] == 0
 
 
+def test_ngram_eager_layers_equal_cpu(tiny_llama_dir, tiny_llama_ref, hf_greedy):
+    """--enforce-eager (no compiled forward): the verification forward runs the
+    eager spyre layers; greedy tokens equal transformers on the CPU."""
+    from vllm import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8] * 6, [1, 2, 3, 9, 11]]
+    llm = LLM(
+        model=tiny_llama_dir,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=8 << 20,
+        seed=0,
+        enforce_eager=True,
+        disable_log_stats=False,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    )
+    try:
+        c0 = _counters(llm)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=16, **GREEDY),
+            use_tqdm=False,
+        )
+        c1 = _counters(llm)
+        compiled = llm.collective_rpc(lambda w: w.model_runner.compiled is None)[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    assert compiled
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(tiny_llama_ref, p, 16), p
+    key = "vllm:spec_decode_num_draft_tokens"
+    assert c1.get(key, 0) - c0.get(key, 0) > 0
+
+
 def test_unsupported_method_is_refused(tiny_llama_dir):
     from vllm import LLM
 
