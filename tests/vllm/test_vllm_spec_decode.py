@@ -416,6 +416,45 @@ def test_ngram_eager_layers_equal_cpu(tiny_llama_dir, tiny_llama_ref, hf_greedy)
     assert c1.get(key, 0) - c0.get(key, 0) > 0
 
 
+@pytest.mark.slow
+def test_serve_with_speculative_config(vllm_server, tiny_llama_dir, tiny_llama_ref, hf_greedy):
+    """`vllm serve --speculative-config` (n-gram) starts, answers with the CPU's
+    greedy tokens, reports vLLM's spec-decode counters, and exits on SIGTERM."""
+    import json
+    import signal
+    import urllib.request
+
+    prompt = [5, 6, 7, 8] * 6
+    want = hf_greedy(tiny_llama_ref, prompt, 12)  # before the server takes the cores
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}  # fmt: skip
+    base, proc, log = vllm_server(
+        tiny_llama_dir, "--skip-tokenizer-init", "--dtype", "float32", "--max-model-len", "128",
+        "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+        "--kv-cache-memory-bytes", str(8 << 20), "--served-model-name", "tiny",
+        "--speculative-config", json.dumps(spec),
+    )  # fmt: skip
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        got = json.loads(r.read())["choices"][0]["token_ids"]
+    assert got == want
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    drafted = [
+        float(ln.split()[-1])
+        for ln in metrics.splitlines()
+        if ln.startswith("vllm:spec_decode_num_draft_tokens_total")
+    ]
+    assert drafted and drafted[0] > 0, metrics[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) is not None
+
+
 def test_unsupported_method_is_refused(tiny_llama_dir):
     from vllm import LLM
 
