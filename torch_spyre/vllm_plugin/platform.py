@@ -232,7 +232,7 @@ def _check_speculative(spec) -> None:
     """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
     the verification forward over every request's k+1 positions on the card
     (one compiled forward per step), rejection sampling in torch ops
-    (kernels.py).  Draft-model, EAGLE, MTP and the other methods need a second
+    (spec_decode.py).  Draft-model, EAGLE, MTP and the other methods need a second
     model on the card and are refused here, naming what works."""
     if spec is None:
         return
