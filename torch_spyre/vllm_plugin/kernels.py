@@ -53,9 +53,17 @@ def compute_slot_mapping(
     slot_mapping_ptr[n : int(max_num_tokens)] = PAD_ID
 
 
-OVERRIDES = {
-    "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
-}
+def _overrides() -> dict:
+    from torch_spyre.vllm_plugin import spec_decode
+
+    return {
+        "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
+        # the rejection sampler's kernels (speculative decoding)
+        **spec_decode.OVERRIDES,
+    }
+
+
+OVERRIDES = _overrides()
 
 
 _c_lib: list[torch.library.Library] = []

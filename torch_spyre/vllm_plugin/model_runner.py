@@ -13,13 +13,17 @@ reused from ``CPUModelRunner`` and stays on the host. What changes:
 * ``_model_forward``: the forward compiled per token bucket (compile.py), unless
   ``TORCH_SPYRE_VLLM_COMPILE=0``;
 * every step's modelled device time (``torch.spyre.modelled_time_s``) is logged
-  and exported as Prometheus metrics (metrics.py).
+  and exported as Prometheus metrics (metrics.py);
+* speculative decoding (n-gram, platform.SPEC_METHODS) is vLLM's own: the
+  verification of every request's k+1 positions is one forward of the step's
+  bucket, the LM head's row buckets hold k+1 rows per request, and the
+  rejection sampler runs the torch kernels of spec_decode.py.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -50,7 +54,8 @@ def _inputs_to_card(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple
 
 class SpyreModelRunner(CPUModelRunner):
     def __init__(self, vllm_config, device: torch.device) -> None:
-        super().__init__(vllm_config, device)
+        with _torch_threads_kept():  # vLLM's NgramProposer JIT-compiles with numba here
+            super().__init__(vllm_config, device)
         self.step_stats = metrics.StepStats()
         self._step_start: tuple[float, float, float] | None = None
         self._step_tokens = 0
@@ -84,7 +89,7 @@ class SpyreModelRunner(CPUModelRunner):
             self.compiled = CompiledForward(
                 self.model, self.scheduler_config.max_num_batched_tokens
             )
-            self.compiled_head = CompiledHead(self.scheduler_config.max_num_seqs)
+            self.compiled_head = CompiledHead(self._max_logit_rows())
             for m in self.model.modules():
                 if isinstance(getattr(m, "quant_method", None), SpyreEmbeddingMethod):
                     # the LM head's matmul (tied or not); .embedding() stays in the graph
@@ -98,6 +103,18 @@ class SpyreModelRunner(CPUModelRunner):
             "spyre: model moved to the card: %.1f MiB of weights in device memory (%.1f s)",
             (torch.spyre.memory_allocated() - before) / 2**20,
             time.perf_counter() - t0,
+        )
+
+    def _max_logit_rows(self) -> int:
+        """Rows the LM head runs on in one step: one per request, or with
+        speculative decoding the k+1 verified positions of each (never more
+        than the step's tokens)."""
+        seqs = self.scheduler_config.max_num_seqs
+        if not self.num_spec_tokens:
+            return seqs
+        return max(
+            seqs,
+            min(seqs * (1 + self.num_spec_tokens), self.scheduler_config.max_num_batched_tokens),
         )
 
     def warm_up(self) -> None:
@@ -286,6 +303,17 @@ class SpyreModelRunner(CPUModelRunner):
             seen.add(kv.data_ptr())
             kv.index_fill_(1, idx, 0)
 
+    # -- speculative decoding ----------------------------------------------------
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any):
+        """vLLM's drafter (the n-gram proposer, platform.SPEC_METHODS) on the host.
+
+        Its numba kernels run on numba's OpenMP threading layer, which sets the
+        OpenMP thread count that torch reads as ``torch.get_num_threads()``; the
+        compiled forward's guards include that count, so a change would
+        recompile every token bucket at the next step. The count is put back."""
+        with _torch_threads_kept():
+            return super().propose_draft_token_ids(*args, **kwargs)
+
     # -- per-step modelled time -------------------------------------------------
     def execute_model(self, scheduler_output, *args: Any, **kwargs: Any):
         self._step_start = (torch.spyre.modelled_time_s(), time.perf_counter(), _collective_s())
@@ -314,6 +342,17 @@ class SpyreModelRunner(CPUModelRunner):
             wall_s=time.perf_counter() - wall0,
             collective_s=_collective_s() - coll0,
         )
+
+
+@contextmanager
+def _torch_threads_kept():
+    """Restore ``torch.get_num_threads()`` after the block (see propose_draft_token_ids)."""
+    n = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
 
 def _collective_s() -> float:

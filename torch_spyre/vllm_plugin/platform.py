@@ -113,12 +113,14 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        """vLLM's Triton helper kernels as pure torch (the empty build has no Triton)."""
-        from vllm.triton_utils.dispatcher import register_kernels
+        """vLLM's Triton helper kernels as pure torch (the empty build has no Triton).
 
-        from torch_spyre.vllm_plugin import kernels
-
-        register_kernels(kernels.OVERRIDES)
+        Once per process: vLLM calls this at every worker start (each ``LLM``
+        of a process), and the overrides stay in place after the first."""
+        global _overrides_registered
+        if not _overrides_registered:
+            register_kernel_overrides()
+            _overrides_registered = True
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -177,8 +179,7 @@ class SpyrePlatform(Platform):
         vllm_config.scheduler_config.async_scheduling = False
         if vllm_config.lora_config is not None:
             raise NotImplementedError("LoRA is not supported on spyre")
-        if vllm_config.speculative_config is not None:
-            raise NotImplementedError("speculative decoding is not supported on spyre")
+        _check_speculative(vllm_config.speculative_config)
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -188,6 +189,65 @@ class SpyrePlatform(Platform):
     @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
+
+
+_overrides_registered = False
+
+
+def register_kernel_overrides() -> None:
+    """``register_kernels(kernels.OVERRIDES)`` (vLLM's public hook).
+
+    vLLM's registration scans every loaded module's globals for references to
+    the kernels, and reads ``vars(x).get("kernel")`` of every global ``x`` with
+    a ``__dict__``. llvmlite's ``llvmlite.binding.ffi.lib`` (loaded with numba,
+    which vLLM's n-gram proposer uses) answers any attribute, ``__dict__``
+    included, with a C-function wrapper, and the scan fails on it
+    (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'). That
+    module holds no vLLM kernel, so it is left out of ``sys.modules`` while the
+    scan runs (no public hook narrows the scan; vLLM 0.32.0).
+    test_vllm_spec_decode.py::test_overrides_register_with_llvmlite_loaded
+    fails if this stops working."""
+    import sys
+
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    from torch_spyre.vllm_plugin import kernels
+
+    hidden = {n: sys.modules.pop(n) for n in _SCAN_UNSAFE_MODULES if n in sys.modules}
+    try:
+        register_kernels(kernels.OVERRIDES)
+    finally:
+        sys.modules.update(hidden)
+
+
+#: modules whose globals vLLM's kernel-override scan cannot read (see above)
+_SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
+
+
+#: speculative decoding methods the spyre model runner serves
+SPEC_METHODS = ("ngram",)
+
+
+def _check_speculative(spec) -> None:
+    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
+    the verification forward over every request's k+1 positions on the card
+    (one compiled forward per step), rejection sampling in torch ops
+    (spec_decode.py).  Draft-model, EAGLE, MTP and the other methods need a second
+    model on the card and are refused here, naming what works."""
+    if spec is None:
+        return
+    if spec.method not in SPEC_METHODS:
+        raise NotImplementedError(
+            f"spyre: speculative decoding method {spec.method!r} is not supported; "
+            f"supported: {', '.join(SPEC_METHODS)} (e.g. speculative_config="
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2})'
+        )
+    if spec.rejection_sample_method != "standard":
+        raise NotImplementedError(
+            f"spyre: speculative rejection_sample_method {spec.rejection_sample_method!r} "
+            "is not supported; 'standard' is"
+        )
 
 
 def _one_state_block_per_request(vllm_config: VllmConfig) -> None:

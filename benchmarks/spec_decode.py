@@ -1,0 +1,127 @@
+"""n-gram speculative decoding on the card: acceptance, steps and modelled time per token.
+
+SmolLM2-135M through vLLM (in-process engine, greedy), each prompt alone
+(batch 1), without speculation and with vLLM's n-gram proposer at each k.
+Printed per prompt and k: the forward steps, drafted and accepted tokens
+(vLLM's counters), the acceptance rate, the modelled card time per generated
+token (the runner's StepStats over the run's steps, prefill included) and its
+ratio to the run without speculation, and whether the tokens equal it.
+
+    python benchmarks/spec_decode.py [--dtype float16] [--k 3,5] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+#: the stated prompt set: text whose continuation the prompt itself holds ...
+PROMPTS = {
+    "weekdays": "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+    "records": '{"name": "Alice", "age": 30}, {"name": "Bob", "age": 31}, '
+    '{"name": "Carol", "age": 32}, {"name": "Dave",',
+    "fox": "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over "
+    "the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    # ... and one where it does not
+    "open": "The capital of France is",
+}
+
+
+def _counters(llm) -> dict[str, float]:
+    return {
+        m.name: m.value
+        for m in llm.get_metrics()
+        if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")
+    }
+
+
+def _steps(worker) -> list:
+    return list(worker.model_runner.step_stats.history)
+
+
+def run(dtype: str, ks: list[int], tokens: int) -> list[dict]:
+    from vllm import LLM, SamplingParams
+
+    from torch_spyre.models.offline import folder
+
+    path = str(folder("smollm2"))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    rows, base = [], {}
+    for k in [0, *ks]:
+        spec = None
+        if k:
+            spec = {
+                "method": "ngram",
+                "num_speculative_tokens": k,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            }
+        llm = LLM(
+            model=path, dtype=dtype, max_model_len=256, max_num_seqs=4,
+            max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20, seed=0,
+            enable_prefix_caching=False, speculative_config=spec, disable_log_stats=False,
+        )  # fmt: skip
+        try:
+            for name, prompt in PROMPTS.items():
+                h0, c0 = llm.collective_rpc(_steps)[0], _counters(llm)
+                out = llm.generate([prompt], params, use_tqdm=False)[0]
+                h1, c1 = llm.collective_rpc(_steps)[0], _counters(llm)
+                steps = h1[len(h0) :]
+                got = list(out.outputs[0].token_ids)
+                drafted = c1.get("vllm:spec_decode_num_draft_tokens", 0) - c0.get(
+                    "vllm:spec_decode_num_draft_tokens", 0
+                )
+                accepted = c1.get("vllm:spec_decode_num_accepted_tokens", 0) - c0.get(
+                    "vllm:spec_decode_num_accepted_tokens", 0
+                )
+                per_tok = sum(s for _, _, s in steps) / len(got)
+                if k == 0:
+                    base[name] = (got, per_tok)
+                rows.append(
+                    {
+                        "prompt": name, "k": k, "steps": len(steps), "drafted": int(drafted),
+                        "accepted": int(accepted),
+                        "acceptance": accepted / drafted if drafted else None,
+                        "modelled_ms_per_token": per_tok * 1e3,
+                        "speedup": base[name][1] / per_tok,
+                        "equal": got == base[name][0],
+                    }
+                )  # fmt: skip
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--k", default="3,5", help="speculative tokens per step, comma-separated")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true", help="a last line of JSON (the rows)")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TORCH_SPYRE_VLLM_LOG_STEPS", "0")
+    rows = run(args.dtype, [int(x) for x in args.k.split(",") if x.strip()], args.tokens)
+    print(f"\nSmolLM2-135M {args.dtype} on the card, batch 1, greedy, {args.tokens} tokens,")
+    print("n-gram prompt_lookup 2..4; modelled card time per generated token (prefill included)")
+    print(f"{'prompt':9s} {'k':>2s} {'steps':>5s} {'drafted':>7s} {'accepted':>8s} "
+          f"{'accept':>7s} {'ms/token':>9s} {'vs k=0':>7s}  equal")  # fmt: skip
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        print(
+            f"{r['prompt']:9s} {r['k']:2d} {r['steps']:5d} {r['drafted']:7d} {r['accepted']:8d} "
+            f"{acc:>7s} {r['modelled_ms_per_token']:9.3f} {r['speedup']:6.2f}x  {r['equal']}"
+        )
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
