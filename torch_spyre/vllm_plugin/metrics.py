@@ -4,7 +4,10 @@ The metrics live in the process that runs the worker (vLLM's engine core):
 
 * ``spyre:step_modelled_seconds`` (histogram): modelled card time of each step
   (forward + LM head + the step's host<->device copies);
-* ``spyre:modelled_device_seconds_total`` (counter) and ``spyre:steps_total``.
+* ``spyre:modelled_device_seconds_total`` (counter) and ``spyre:steps_total``;
+* ``spyre:op_calls{path=kernel|adapter|fallback|degraded}`` (gauge): the
+  worker's op calls so far by how they were served (``runtime.dispatch_stats``,
+  updated each step): ``path="fallback"`` counts calls that ran on the host.
 
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is the API server's process and
 they appear on its ``/metrics``.  With the default separate engine process the
@@ -54,6 +57,11 @@ def _metrics() -> dict[str, object] | None:
         ),
         "collective_total": pc.Counter(
             "spyre:collective_modelled_seconds", "Modelled collective time, all steps"
+        ),
+        "op_calls": pc.Gauge(
+            "spyre:op_calls",
+            "Op calls in this worker by how they were served (fallback: on the host)",
+            ["path"],
         ),
     }
     port = settings.get().vllm_metrics_port
@@ -189,6 +197,11 @@ class StepStats:
             if collective_s:
                 prom["collective"].observe(collective_s)  # type: ignore[attr-defined]
                 prom["collective_total"].inc(collective_s)  # type: ignore[attr-defined]
+            from torch_spyre.runtime import dispatch_stats
+
+            for path in dispatch_stats.PATHS:
+                n = sum(dispatch_stats.counts(path).values())
+                prom["op_calls"].labels(path=path).set(n)  # type: ignore[attr-defined]
         if self.log_every > 0 and self.steps % self.log_every == 0 and collective_s:
             logger.info(
                 "spyre step %d (card %d): %d tokens, %d requests, modelled device time "
