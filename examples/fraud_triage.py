@@ -874,6 +874,12 @@ def _cards(args, res: dict, share: float, tokens: list[tuple[int, int]] | None) 
             max([(n // tp) * c["requests_s"] / share for tp, c in caps.items() if n >= tp] or [0.0])
             for n in range(1, MAX_CARDS + 1)
         ]
+        falls = {c["host_fallbacks"] for c in caps.values()}
+        if falls - {0}:
+            print(
+                f"  ({label}'s plans have {max(falls)} host fallbacks: its prefill's grouping of "
+                "the routed slots, docs/models.md)"
+            )
         best = min(
             (r for r in table if r["model"] == model), key=lambda r: r["cards"], default=None
         )
@@ -906,7 +912,7 @@ def _plot(curves: dict[str, list[float]], load: float, path: str) -> None:
     ax.axhline(load, color="grey", ls=":", label=f"stated load {load:g} claims/s")
     ax.set_xlabel("Spyre cards")
     ax.set_ylabel("claims per second (modelled)")
-    ax.set_title("Fraud triage: stage 2 throughput vs cards (spyre estimate --serve)")
+    ax.set_title("Fraud triage, stage 2 on N cards (spyre estimate --serve)", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
