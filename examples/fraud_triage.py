@@ -778,7 +778,7 @@ def _capacity(model: str, tp: int, input_len: int, output_len: int) -> dict:
     and batch-32 step times) at an offered rate far above it.  Deterministic,
     so cached beside Inductor's cache (TORCHINDUCTOR_CACHE_DIR, else
     ~/.cache/torch_spyre), keyed by the inputs and a hash of the
-    torch_spyre sources and TORCH_SPYRE_* settings."""
+    torch_spyre sources and the card's hardware config."""
     import hashlib
 
     import torch_spyre
@@ -791,9 +791,12 @@ def _capacity(model: str, tp: int, input_len: int, output_len: int) -> dict:
             if f.endswith(".py"):
                 with open(os.path.join(d, f), "rb") as fh:
                     h.update(fh.read())
-    h.update(
-        repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCH_SPYRE_"))).encode()
-    )
+    # the card's model (TORCH_SPYRE_* hardware settings), not the whole
+    # environment (the run sets per-process values, ports, in it)
+    from torch_spyre.hardware import HardwareConfig
+    from torch_spyre.runtime import cards
+
+    h.update(repr((HardwareConfig.from_env(), cards.config())).encode())
     # beside Inductor's compiled code: a fresh TORCHINDUCTOR_CACHE_DIR is a cold run
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.expanduser("~/.cache/torch_spyre")
     cache = os.path.join(root, "spyre_serve_plans", h.hexdigest()[:24])
