@@ -85,8 +85,19 @@ def export() -> None:
     """Create the series (at zero) and open the worker's metrics port now, not
     at the first step: called when the warm-up ends, so the first scrape after
     the server turns ready (llm-d's endpoint picker, a Prometheus) already
-    finds every ``spyre:*`` series."""
-    _metrics()
+    finds every ``spyre:*`` series (the op calls: the warm-up's, a baseline)."""
+    _set_op_calls(_metrics())
+
+
+def _set_op_calls(prom: dict[str, object] | None) -> None:
+    """``spyre:op_calls{path}``: the worker's op calls so far, by path."""
+    if prom is None:
+        return
+    from torch_spyre.runtime import dispatch_stats
+
+    for path in dispatch_stats.PATHS:
+        n = sum(dispatch_stats.counts(path).values())
+        prom["op_calls"].labels(path=path).set(n)  # type: ignore[attr-defined]
 
 
 def _card() -> int:
@@ -197,11 +208,7 @@ class StepStats:
             if collective_s:
                 prom["collective"].observe(collective_s)  # type: ignore[attr-defined]
                 prom["collective_total"].inc(collective_s)  # type: ignore[attr-defined]
-            from torch_spyre.runtime import dispatch_stats
-
-            for path in dispatch_stats.PATHS:
-                n = sum(dispatch_stats.counts(path).values())
-                prom["op_calls"].labels(path=path).set(n)  # type: ignore[attr-defined]
+            _set_op_calls(prom)
         if self.log_every > 0 and self.steps % self.log_every == 0 and collective_s:
             logger.info(
                 "spyre step %d (card %d): %d tokens, %d requests, modelled device time "
