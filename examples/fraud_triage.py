@@ -17,7 +17,13 @@ reasons under a JSON schema (structured outputs, ``response_format``
 real model (Gemma 4 26B-A4B: see ``spyre estimate gemma-4-26b-a4b``).
 ``--offline`` uses vLLM's offline ``LLM`` API instead of the HTTP server.
 
+Cards for a load: how many cards ``--claims-per-second`` needs with the real
+LLM (Gemma 4 26B-A4B, Granite-3.3-8B), from ``spyre estimate --serve`` plans
+at stage 2's request lengths and stage 1's flagged share, and a PNG of
+claims/s against cards (``--plot``).
+
     python examples/fraud_triage.py [--claims 2000] [--flagged 5] [--offline] [--no-llm]
+                                    [--claims-per-second 5] [--serve-tp 1,2] [--no-cards]
 
 docs/use-case.md has the pipeline, a measured run and what is modelled.
 """
