@@ -17,7 +17,13 @@ reasons under a JSON schema (structured outputs, ``response_format``
 real model (Gemma 4 26B-A4B: see ``spyre estimate gemma-4-26b-a4b``).
 ``--offline`` uses vLLM's offline ``LLM`` API instead of the HTTP server.
 
+Cards for a load: how many cards ``--claims-per-second`` needs with the real
+LLM (Gemma 4 26B-A4B, Granite-3.3-8B), from ``spyre estimate --serve`` plans
+at stage 2's request lengths and stage 1's flagged share, and a PNG of
+claims/s against cards (``--plot``).
+
     python examples/fraud_triage.py [--claims 2000] [--flagged 5] [--offline] [--no-llm]
+                                    [--claims-per-second 5] [--serve-tp 1,2] [--no-cards]
 
 docs/use-case.md has the pipeline, a measured run and what is modelled.
 """
@@ -342,7 +348,8 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def _metric(url: str, name: str) -> float | None:
-    """A counter of the worker's Prometheus metrics (the modelled device time)."""
+    """A series of the worker's Prometheus metrics (the modelled device time, the
+    op calls by path), by its name with labels, e.g. ``spyre:op_calls{path="fallback"}``."""
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
             for line in r.read().decode().splitlines():
@@ -424,6 +431,8 @@ def serve_and_ask(
             time.sleep(1)
         startup = time.perf_counter() - t0
         before = _metric(metrics, "spyre:modelled_device_seconds_total")
+        paths = ("kernel", "adapter", "fallback", "degraded")
+        calls0 = {p: _metric(metrics, f'spyre:op_calls{{path="{p}"}}') for p in paths}
         answers, walls, tokens = [], [], []
         for p in prompts:
             w = time.perf_counter()
@@ -444,7 +453,14 @@ def serve_and_ask(
             tokens.append((use.get("prompt_tokens", 0), use.get("completion_tokens", 0)))
         after = _metric(metrics, "spyre:modelled_device_seconds_total")
         modelled = after - before if before is not None and after is not None else None
+        # the worker's op calls by how they were served (runtime.dispatch_stats,
+        # the plugin's spyre:op_calls gauge): during the requests, and since start-up
+        calls1 = {p: _metric(metrics, f'spyre:op_calls{{path="{p}"}}') for p in paths}
+        during = {p: int(calls1[p] - (calls0[p] or 0)) for p in paths if calls1[p] is not None}
         return answers, {
+            "op_calls": during or None,
+            "op_calls_since_startup": {p: int(v) for p, v in calls1.items() if v is not None}
+            or None,
             "api": "OpenAI /v1/chat/completions (vllm serve)",
             "token_budget": budget,
             "startup_wall_s": startup,
@@ -529,6 +545,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="also plan stage 2 with Gemma 4 26B-A4B (spyre estimate at these requests' "
         "lengths; ~1 min wall)",
     )
+    ap.add_argument(
+        "--claims-per-second",
+        type=float,
+        default=CLAIMS_PER_SECOND,
+        help="the stated load: claims arriving per second (cards needed with the real LLM)",
+    )
+    ap.add_argument(
+        "--serve-tp",
+        default="1,2",
+        help="TP sizes planned by spyre estimate --serve per model (1,2,4: ~3 more min cold)",
+    )
+    ap.add_argument("--no-cards", action="store_true", help="skip the cards-needed plans")
+    ap.add_argument("--plot", default="fraud_triage_cards.png", help="throughput vs cards PNG")
     ap.add_argument("--startup-timeout", type=float, default=600, help="vllm serve health wait")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -603,8 +632,11 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = flagged[: args.flagged]
     res["flagged_held_out"] = len(flagged)
     print(f"stage 2: {len(flagged)} held-out claims flagged; {len(chosen)} go to the LLM")
+    share = len(flagged) / len(te)
     if args.no_llm or not chosen:
+        _cards(args, res, share, None)
         res["wall_s"] = time.perf_counter() - wall0
+        print(f"wall time: {res['wall_s']:.0f} s in all")
         _write(args.json, res)
         return res
     from torch_spyre.models.offline import folder
@@ -672,13 +704,22 @@ def main(argv: list[str] | None = None) -> dict:
         )
         + f"wall {sum(walls):.1f} s"
     )
+    calls, since = st2.get("op_calls"), st2.get("op_calls_since_startup")
+    if calls:
+        print(
+            "  stage 2 op calls in the worker during the requests (spyre:op_calls): "
+            + ", ".join(f"{p} {n}" for p, n in calls.items())
+            + f"; since start-up (warm-up included): fallback {since.get('fallback')}, "
+            f"degraded {since.get('degraded')}"
+        )
+    else:
+        print("  stage 2 op calls: not reported by the worker (spyre:op_calls)")
     print(
         f"  verdict 'fraud' on {res['llm_fraud_verdicts']}/{ok}; a named signal matches a "
         f"planted pattern on {res['llm_signals_matching_a_planted_pattern']}/{ok}"
     )
     if modelled is not None:
         # per 1,000 claims: stage 1 scores all of them, stage 2 sees the flagged share
-        share = len(flagged) / len(te)
         res["stage2_modelled_s_per_1000"] = 1000 * share * modelled / len(verdicts)
         print(
             f"per 1,000 claims, modelled on one card: stage 1 {per_1000 * 1e3:.2f} ms; stage 2 "
@@ -686,6 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         if args.gemma4:
             res["gemma4"] = _gemma4_per_claim(st2["tokens"], share)
+    _cards(args, res, share, st2["tokens"])
     res["wall_s"] = time.perf_counter() - wall0
     print(f"wall time: {res['wall_s']:.0f} s in all")
     _write(args.json, res)
@@ -723,6 +765,167 @@ def _gemma4_per_claim(tokens: list[tuple[int, int]], share: float) -> dict:
         "the plan: docs/models.md)"
     )
     return out
+
+
+#: the stated load (``--claims-per-second``): claims arriving per second
+CLAIMS_PER_SECOND = 5.0
+#: per-claim LLM tokens when stage 2 did not run (``--no-llm``): the measured
+#: SmolLM2 requests' means at the default sizes (docs/use-case.md)
+DEFAULT_TOKENS = (256, 107)
+#: the real LLMs of the cards-needed table: (``spyre estimate`` name, label)
+SERVE_MODELS = (("gemma-4-26b-a4b", "Gemma 4 26B-A4B"), ("granite-3.3-8b", "Granite-3.3-8B"))
+SERVE_BATCH = 32  # vLLM's max_num_seqs in the serve plans (spyre estimate --serve's default)
+MAX_CARDS = 8  # cards in a Spyre system
+
+
+def _capacity(model: str, tp: int, input_len: int, output_len: int) -> dict:
+    """Requests/s one ``tp``-card instance of ``model`` serves at saturation:
+    ``spyre estimate MODEL --serve`` (vLLM's scheduler over the planned batch-1
+    and batch-32 step times) at an offered rate far above it.  Deterministic,
+    so cached beside Inductor's cache (TORCHINDUCTOR_CACHE_DIR, else
+    ~/.cache/torch_spyre), keyed by the inputs and a hash of the
+    torch_spyre sources and the card's hardware config."""
+    import hashlib
+
+    import torch_spyre
+    from torch_spyre.models import estimate, serve_plan
+
+    src = os.path.dirname(torch_spyre.__file__)
+    h = hashlib.sha256(repr((model, tp, input_len, output_len, SERVE_BATCH)).encode())
+    for d, _, files in sorted(os.walk(src)):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                with open(os.path.join(d, f), "rb") as fh:
+                    h.update(fh.read())
+    # the card's model (TORCH_SPYRE_* hardware settings), not the whole
+    # environment (the run sets per-process values, ports, in it)
+    from torch_spyre.hardware import HardwareConfig
+    from torch_spyre.runtime import cards
+
+    h.update(repr((HardwareConfig.from_env(), cards.config())).encode())
+    # beside Inductor's compiled code: a fresh TORCHINDUCTOR_CACHE_DIR is a cold run
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.expanduser("~/.cache/torch_spyre")
+    cache = os.path.join(root, "spyre_serve_plans", h.hexdigest()[:24])
+    if os.path.exists(cache):
+        with open(cache) as f:
+            return json.load(f) | {"cached": True}
+    cfg = estimate.model_config(model)
+    common = dict(prompt=input_len, new_tokens=output_len, config=cfg, tp=tp)
+    one = estimate.estimate(model, batch=1, **common)
+    many = estimate.estimate(model, batch=SERVE_BATCH, **common)
+    out = {"model": model, "tp": tp, "fits": bool(many.fits), "host_fallbacks": many.host_fallbacks}
+    if many.fits:
+        plan = serve_plan.plan(
+            one, many, cfg, rate=1000.0, input_len=input_len, output_len=output_len, requests=96
+        )
+        out.update(
+            requests_s=plan.throughput_requests_s,
+            tokens_s=plan.throughput_tokens_s,
+            tpot_p50_s=plan.pct(plan.tpot_s, 50),
+            decode_1_s=one.decode_s,
+            decode_batch_s=many.decode_s,
+        )
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    with open(cache, "w") as f:
+        json.dump(out, f)
+    return out | {"cached": False}
+
+
+def _cards(args, res: dict, share: float, tokens: list[tuple[int, int]] | None) -> None:
+    """How many cards the stated claims-per-second load needs with the real
+    LLM, from ``spyre estimate --serve``, and the throughput-vs-cards PNG."""
+    if args.no_cards:
+        return
+    if tokens:
+        input_len = -(-max(p for p, _ in tokens) // 64) * 64  # the estimate's 64-token buckets
+        output_len = round(sum(a for _, a in tokens) / len(tokens))
+    else:
+        input_len, output_len = DEFAULT_TOKENS
+    load = args.claims_per_second
+    rate = load * share  # LLM requests per second
+    tps = [int(t) for t in str(args.serve_tp).split(",") if t.strip()]
+    t0 = time.perf_counter()
+    print(
+        f"cards for {load:g} claims/s with the real LLM: {share:.1%} flagged -> {rate:.3f} LLM "
+        f"requests/s of {input_len} in / {output_len} out tokens (spyre estimate --serve, "
+        f"batch {SERVE_BATCH}, fp16, TP {', '.join(map(str, tps))}; replicas of one TP size "
+        "for more)"
+    )
+    print(f"  {'model':<16} {'TP':>3} {'req/s per instance':>19} {'claims/s':>9} {'TPOT p50':>9}"
+          f" {'instances':>9} {'cards':>6}")  # fmt: skip
+    table, curves = [], {}
+    for model, label in SERVE_MODELS:
+        caps = {}
+        for tp in tps:
+            try:
+                c = _capacity(model, tp, input_len, output_len)
+            except (ValueError, NotImplementedError) as e:
+                print(f"  {label:<16} {tp:>3}  not planned: {e}")
+                continue
+            if not c["fits"]:
+                print(f"  {label:<16} {tp:>3}  does not fit at batch {SERVE_BATCH}")
+                continue
+            caps[tp] = c
+            inst = max(1, math.ceil(rate / c["requests_s"] - 1e-9))
+            row = {
+                "model": model, "tp": tp, "requests_s_per_instance": c["requests_s"],
+                "claims_s_per_instance": c["requests_s"] / share if share else math.inf,
+                "tpot_p50_s": c["tpot_p50_s"], "instances": inst, "cards": inst * tp,
+                "host_fallbacks_in_plan": c["host_fallbacks"],
+            }  # fmt: skip
+            table.append(row)
+            print(
+                f"  {label:<16} {tp:>3} {c['requests_s']:>19.3f} {row['claims_s_per_instance']:>9.2f}"
+                f" {c['tpot_p50_s'] * 1e3:>7.0f}ms {inst:>9} {inst * tp:>6}"
+            )
+        # throughput (claims/s) on n cards: the best split of n into replicas of one TP size
+        curves[label] = [
+            max([(n // tp) * c["requests_s"] / share for tp, c in caps.items() if n >= tp] or [0.0])
+            for n in range(1, MAX_CARDS + 1)
+        ]
+        falls = {c["host_fallbacks"] for c in caps.values()}
+        if falls - {0}:
+            print(
+                f"  ({label}'s plans have {max(falls)} host fallbacks: its prefill's grouping of "
+                "the routed slots, docs/models.md)"
+            )
+        best = min(
+            (r for r in table if r["model"] == model), key=lambda r: r["cards"], default=None
+        )
+        if best:
+            print(
+                f"  -> {label}: {best['cards']} card(s) for {load:g} claims/s "
+                f"({best['instances']} x TP {best['tp']})"
+            )
+    res["cards"] = {
+        "claims_per_second": load, "flagged_share": share, "llm_requests_s": rate,
+        "input_len": input_len, "output_len": output_len, "table": table,
+        "claims_s_by_cards": curves, "plan_wall_s": time.perf_counter() - t0,
+    }  # fmt: skip
+    if args.plot and curves:
+        _plot(curves, load, args.plot)
+        res["cards"]["plot"] = args.plot
+        print(f"  throughput vs cards: wrote {args.plot}")
+
+
+def _plot(curves: dict[str, list[float]], load: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = list(range(1, MAX_CARDS + 1))
+    for label, ys in curves.items():
+        ax.plot(n, ys, "o-", label=label)
+    ax.axhline(load, color="grey", ls=":", label=f"stated load {load:g} claims/s")
+    ax.set_xlabel("Spyre cards")
+    ax.set_ylabel("claims per second (modelled)")
+    ax.set_title("Fraud triage, stage 2 on N cards (spyre estimate --serve)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _write(path: str | None, res: dict) -> None:

@@ -66,7 +66,7 @@ def test_stage1_on_the_card_matches_the_cpu_without_the_host(lstm_programs):
     """Stage 1 alone (~10 s): compiled as one graph (the LSTM unrolled) or with
     the graph break at the LSTM (the device's recurrent programs)."""
     ex = _example()
-    argv = ["--claims", "200", "--batch", "64", "--no-llm"]
+    argv = ["--claims", "200", "--batch", "64", "--no-llm", "--no-cards"]
     res = ex.main(argv + (["--lstm-programs"] if lstm_programs else []))
     st = res["stage1"]
     assert st["host_fallbacks"] == 0 and st["paths"]["fallback"] == 0, st["fallback_ops"]
@@ -86,7 +86,7 @@ def test_stage1_on_the_card_matches_the_cpu_without_the_host(lstm_programs):
 def test_fraud_triage_end_to_end(tmp_path):
     ex = _example()
     t0 = time.perf_counter()
-    res = ex.main(["--claims", "200", "--flagged", "2", "--batch", "64"])
+    res = ex.main(["--claims", "200", "--flagged", "2", "--batch", "64", "--no-cards"])
     wall = time.perf_counter() - t0
     st = res["stage1"]
     assert st["batches"] == 4  # 200 claims in batches of 64, the last padded
@@ -104,4 +104,36 @@ def test_fraud_triage_end_to_end(tmp_path):
     assert res["stage2"]["modelled_s"] is not None and res["stage2"]["modelled_s"] > 0
     assert all(p > 0 and a > 0 for p, a in res["stage2"]["tokens"])  # the API's usage
     assert res["stage2_modelled_s_per_1000"] > 0
+    # stage 2 on the card: no op of the worker ran on the host (the plugin's
+    # spyre:op_calls gauge, runtime.dispatch_stats), during the requests or warm-up
+    calls = res["stage2"]["op_calls"]
+    assert calls["kernel"] > 0 and calls["fallback"] == 0, calls
+    since = res["stage2"]["op_calls_since_startup"]
+    assert since["fallback"] == 0 and since["kernel"] >= calls["kernel"]
     print(f"fraud_triage end to end: {wall:.0f} s wall")
+
+
+@pytest.mark.slow  # stage 1 + 4 planned estimates (2 models x batch 1 and 32): ~2-4 min cold
+def test_cards_for_a_claims_per_second_load_and_the_plot(tmp_path):
+    """The cards a stated load needs with the real LLMs (spyre estimate --serve
+    at TP 1 here), and the throughput-vs-cards PNG."""
+    ex = _example()
+    png = tmp_path / "cards.png"
+    argv = ["--claims", "200", "--batch", "64", "--no-llm", "--serve-tp", "1"]
+    res = ex.main(argv + ["--claims-per-second", "3", "--plot", str(png)])
+    c = res["cards"]
+    assert c["llm_requests_s"] == pytest.approx(3 * c["flagged_share"])
+    assert (c["input_len"], c["output_len"]) == ex.DEFAULT_TOKENS
+    rows = {r["model"]: r for r in c["table"]}
+    assert set(rows) == {"gemma-4-26b-a4b", "granite-3.3-8b"}
+    for r in rows.values():
+        assert r["tp"] == 1 and r["requests_s_per_instance"] > 0
+        # enough instances for the load, and not one more
+        assert r["instances"] * r["requests_s_per_instance"] >= c["llm_requests_s"]
+        assert (r["instances"] - 1) * r["requests_s_per_instance"] < c["llm_requests_s"]
+        assert r["cards"] == r["instances"]
+    for label, ys in c["claims_s_by_cards"].items():
+        assert len(ys) == ex.MAX_CARDS and ys[0] > 0, label
+        assert all(b >= a for a, b in zip(ys, ys[1:])), label  # more cards never serve less
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and data[-8:-4] == b"IEND"

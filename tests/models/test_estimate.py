@@ -351,12 +351,66 @@ def test_gemma4_26b_a4b_estimate_cli(tmp_path, capsys):
     assert d["decode_s"] == pytest.approx(DECODE_S_G4, rel=1e-9)
 
 
-def test_gemma4_tensor_parallel_is_refused_with_a_reason():
-    """Per-layer head shapes (2 KV heads x 512 on full layers) are not sharded
-    yet: the CLI says so instead of planning a wrong split."""
-    from torch_spyre import cli
+def test_gemma4_shards_each_layer_kinds_heads():
+    """TP of Gemma 4 (heterogeneous config) by the rule every model's split
+    follows (models/parallel.py), applied per layer kind: query heads and the
+    dense MLP / expert widths split; KV heads split, or one per card when
+    fewer than the cards (full layers' 2 KV heads at TP 4)."""
+    from torch_spyre.models import parallel
 
-    with pytest.raises(SystemExit, match="per-layer head shapes.*not modelled yet"):
-        cli.main(["estimate", "gemma-4-26b-a4b", "--tp", "2"])
+    cfg = E.model_config("gemma-4-26b-a4b")
+    got = {}
+    for tp in (1, 2, 4):
+        s = parallel.shard_config(cfg, tp)
+        sl, full = s.per_layer_config[0], s.per_layer_config[5]
+        got[tp] = (
+            (sl.num_attention_heads, sl.num_key_value_heads, sl.head_dim),
+            (full.num_attention_heads, full.num_key_value_heads, full.head_dim),
+            (sl.intermediate_size, sl.moe_intermediate_size, s.num_experts, s.vocab_size),
+        )
+    assert got == {
+        1: ((16, 8, 256), (16, 2, 512), (2112, 704, 128, 262144)),
+        2: ((8, 4, 256), (8, 1, 512), (1056, 352, 128, 131072)),
+        4: ((4, 2, 256), (4, 1, 512), (528, 176, 128, 65536)),
+    }
+    kinds = E._layer_kinds(cfg)
+    kv = [parallel.kv_bytes_per_card(cfg, tp, 1, 1152, 2, kinds) for tp in (1, 2, 4)]
+    # sliding 25 x 2 x 8 x 1024 x 256, full 5 x 2 x 2 x 1152 x 512 (fp16); the
+    # full layers' one KV head per card is replicated at TP 4: 58.3 -> 64.2 MB
+    assert kv == [233_308_160, 116_654_080, 64_225_280]
     with pytest.raises(ValueError, match="attention heads do not split"):
         E.estimate("gemma-4-26b-a4b", tp=3)
+
+
+# `spyre estimate gemma-4-26b-a4b --tp N --dtype D` (prompt 1024, cache 1152,
+# batch 1): per card (params, weights_bytes, decode_bytes, kv_cache_bytes,
+# prefill_s, decode_s); 8 host fallbacks each (prefill's routed-slot grouping)
+G4_TP = {
+    (1, "fp8"): (25_233_141_760, 48_812_226_560, 6_221_711_360, 233_308_160,
+                 0.8620274463577179, 0.08032287170867256),
+    (2, "fp16"): (12_622_327_808, 25_244_655_616, 3_949_398_016, 116_654_080,
+                  0.7098538807826331, 0.05333033020974571),
+    (2, "fp8"): (12_622_327_808, 24_412_566_016, 3_117_308_416, 116_654_080,
+                 0.7032197961602635, 0.04667017761952647),
+    (4, "fp16"): (6_320_525_312, 12_641_050_624, 1_998_669_824, 64_225_280,
+                  0.5043582972255674, 0.03226939442967695),
+    (4, "fp8"): (6_320_525_312, 12_216_345_344, 1_573_964_544, 64_225_280,
+                 0.5009370750261102, 0.02894243126166954),
+}  # fmt: skip
+
+
+@pytest.mark.slow  # plans the real Gemma 4 26B-A4B layers: ~25-40 s each
+@pytest.mark.parametrize("tp,dt", sorted(G4_TP), ids=[f"tp{t}-{d}" for t, d in sorted(G4_TP)])
+def test_gemma4_26b_a4b_tp_and_fp8_estimates(tp, dt):
+    weights = torch.float8_e4m3fn if dt == "fp8" else None
+    est = E.estimate("gemma-4-26b-a4b", weights=weights, tp=tp)
+    d = est.to_json()
+    params, wbytes, dbytes, kv, pre, dec = G4_TP[tp, dt]
+    assert d["params"] == params and d["weights_bytes"] == wbytes
+    assert d["decode_bytes"] == dbytes and d["kv_cache_bytes"] == kv
+    assert d["host_fallbacks"] == HOST_FALLBACKS_G4
+    assert d["prefill_s"] == pytest.approx(pre, rel=1e-9)
+    assert d["decode_s"] == pytest.approx(dec, rel=1e-9)
+    assert d["fits"] is True and d["tp"] == tp
+    if tp > 1:
+        assert f"collectives (TP {tp})" in est.format()

@@ -60,27 +60,49 @@ def check_tp(cfg, tp: int) -> None:
 
 
 def shard_config(cfg, tp: int):
-    """The config of one card's shard (see the module docstring)."""
+    """The config of one card's shard (see the module docstring).
+
+    A heterogeneous config (Gemma 4: head_dim and KV heads differ on its full
+    attention layers) is sharded by the same rule layer by layer: its global
+    values as any model's, and each layer's overrides (KV heads split, or one
+    per card when fewer than the cards; head_dim unchanged)."""
     check_tp(cfg, tp)
     if tp == 1:
         return cfg
-    if getattr(cfg, "is_heterogeneous", False):
-        raise NotImplementedError(
-            f"--tp {tp}: {type(cfg).__name__} has per-layer head shapes (e.g. Gemma 4's full "
-            "attention layers); sharding them is not modelled yet: estimate it at --tp 1"
-        )
     s = copy.deepcopy(cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    overrides = {}
+    if getattr(cfg, "is_heterogeneous", False):
+        overrides = copy.deepcopy(cfg._heterogeneity_spec.per_layer_overrides)
+        s.per_layer_config = None  # the global values, readable again
+    head_dim = getattr(s, "head_dim", None) or s.hidden_size // s.num_attention_heads
     s.head_dim = head_dim
-    s.num_attention_heads = cfg.num_attention_heads // tp
-    s.num_key_value_heads = max(1, cfg.num_key_value_heads // tp)
-    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
-        v = getattr(cfg, name, None)
-        if isinstance(v, int) and v:
-            setattr(s, name, -(-v // tp))
+    names = (*_SPLIT, "num_key_value_heads")
+    for name, v in _shard_values({n: getattr(s, n, None) for n in names}, tp).items():
+        setattr(s, name, v)
     s.vocab_size = -(-cfg.vocab_size // tp)
+    if overrides:
+        s.per_layer_config = {i: {**o, **_shard_values(o, tp)} for i, o in overrides.items()}
     # Gemma-style 1/sqrt(head_dim) scaling reads query_pre_attn_scalar, unchanged
     return s
+
+
+_SPLIT = ("num_attention_heads", "intermediate_size", "moe_intermediate_size",
+          "shared_expert_intermediate_size")  # fmt: skip
+
+
+def _shard_values(values: dict[str, Any], tp: int) -> dict[str, int]:
+    """One card's share of the split sizes among ``values`` (a config's global
+    values or one layer's overrides): query heads and intermediate dims split;
+    KV heads split, or one per card when there are fewer KV heads than cards."""
+    out = {}
+    for name in _SPLIT:
+        v = values.get(name)
+        if isinstance(v, int) and v:
+            out[name] = -(-v // tp)
+    kv = values.get("num_key_value_heads")
+    if isinstance(kv, int) and kv:
+        out["num_key_value_heads"] = max(1, kv // tp)
+    return out
 
 
 def collective_parts(
@@ -138,12 +160,14 @@ def cards_needed(
 def kv_bytes_per_card(cfg, tp: int, batch: int, cache_len: int, itemsize: int, kinds) -> int:
     """KV cache bytes on one card: its KV heads' keys and values."""
     shard = shard_config(cfg, tp)
-    head_dim = getattr(shard, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hetero = getattr(shard, "is_heterogeneous", False)  # Gemma 4: per-layer head shapes
     window = getattr(cfg, "sliding_window", None)
     total = 0
-    for kind in kinds:
+    for i, kind in enumerate(kinds):
+        lc = shard.per_layer_config[i] if hetero else shard
+        head_dim = getattr(lc, "head_dim", None) or lc.hidden_size // lc.num_attention_heads
         length = min(window, cache_len) if kind == "sliding_attention" and window else cache_len
-        total += 2 * shard.num_key_value_heads * length * head_dim * itemsize
+        total += 2 * lc.num_key_value_heads * length * head_dim * itemsize
     return total * batch
 
 

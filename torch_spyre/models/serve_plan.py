@@ -165,16 +165,25 @@ def plan(
     from torch_spyre.models import parallel
 
     shard = parallel.shard_config(cfg, est_one.tp)
-    head_dim = getattr(shard, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # one card's (KV heads, head_dim) per layer: a heterogeneous config (Gemma 4)
+    # has its own per layer; sliding-window layers are counted as full ones (exact
+    # while a request's input + output fits the window, an over-count beyond)
+    hetero = getattr(shard, "is_heterogeneous", False)
+    shapes = []
+    for i in range(cfg.num_hidden_layers):
+        lc = shard.per_layer_config[i] if hetero else shard
+        hd = getattr(lc, "head_dim", None) or lc.hidden_size // lc.num_attention_heads
+        shapes.append((lc.num_key_value_heads, hd))
     itemsize = dtype.itemsize
+    # the scheduler counts blocks only; the spec names the first layer's shape
     spec = FullAttentionSpec(
-        block_size=block, num_kv_heads=shard.num_key_value_heads, head_size=head_dim, dtype=dtype
+        block_size=block, num_kv_heads=shapes[0][0], head_size=shapes[0][1], dtype=dtype
     )
     # KV blocks: what one card's memory holds after the weights and activations
     free = est_one.card_memory_bytes - (
         est_one.weights_bytes + est_one.extra_weight_bytes + est_many.activation_bytes
     )
-    per_block = cfg.num_hidden_layers * 2 * shard.num_key_value_heads * block * head_dim * itemsize
+    per_block = sum(2 * kv * block * hd * itemsize for kv, hd in shapes)
     capacity = int(free // per_block)
     need = -(-(input_len + output_len) // block)
     # never more than max_num_seqs full requests use at once (keeps vLLM's block

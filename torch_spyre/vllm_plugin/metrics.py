@@ -4,7 +4,10 @@ The metrics live in the process that runs the worker (vLLM's engine core):
 
 * ``spyre:step_modelled_seconds`` (histogram): modelled card time of each step
   (forward + LM head + the step's host<->device copies);
-* ``spyre:modelled_device_seconds_total`` (counter) and ``spyre:steps_total``.
+* ``spyre:modelled_device_seconds_total`` (counter) and ``spyre:steps_total``;
+* ``spyre:op_calls{path=kernel|adapter|fallback|degraded}`` (gauge): the
+  worker's op calls so far by how they were served (``runtime.dispatch_stats``,
+  updated each step): ``path="fallback"`` counts calls that ran on the host.
 
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` that is the API server's process and
 they appear on its ``/metrics``.  With the default separate engine process the
@@ -55,6 +58,11 @@ def _metrics() -> dict[str, object] | None:
         "collective_total": pc.Counter(
             "spyre:collective_modelled_seconds", "Modelled collective time, all steps"
         ),
+        "op_calls": pc.Gauge(
+            "spyre:op_calls",
+            "Op calls in this worker by how they were served (fallback: on the host)",
+            ["path"],
+        ),
     }
     port = settings.get().vllm_metrics_port
     # tensor parallel: the worker on card 0 serves the port (collectives end
@@ -77,8 +85,19 @@ def export() -> None:
     """Create the series (at zero) and open the worker's metrics port now, not
     at the first step: called when the warm-up ends, so the first scrape after
     the server turns ready (llm-d's endpoint picker, a Prometheus) already
-    finds every ``spyre:*`` series."""
-    _metrics()
+    finds every ``spyre:*`` series (the op calls: the warm-up's, a baseline)."""
+    _set_op_calls(_metrics())
+
+
+def _set_op_calls(prom: dict[str, object] | None) -> None:
+    """``spyre:op_calls{path}``: the worker's op calls so far, by path."""
+    if prom is None:
+        return
+    from torch_spyre.runtime import dispatch_stats
+
+    for path in dispatch_stats.PATHS:
+        n = sum(dispatch_stats.counts(path).values())
+        prom["op_calls"].labels(path=path).set(n)  # type: ignore[attr-defined]
 
 
 def _card() -> int:
@@ -189,6 +208,7 @@ class StepStats:
             if collective_s:
                 prom["collective"].observe(collective_s)  # type: ignore[attr-defined]
                 prom["collective_total"].inc(collective_s)  # type: ignore[attr-defined]
+            _set_op_calls(prom)
         if self.log_every > 0 and self.steps % self.log_every == 0 and collective_s:
             logger.info(
                 "spyre step %d (card %d): %d tokens, %d requests, modelled device time "
