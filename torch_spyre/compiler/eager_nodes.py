@@ -69,13 +69,62 @@ def origin_node(buf) -> torch.fx.Node | None:
             for o in getattr(buf, "origins", ())
             if o.op == "call_function" and shaped(o) and o not in others
         }
+        kind = _reduction_kind(buf)
+        if kind is not None:
+            # a reduction's buffer is the value of a reduction op of its kind,
+            # or of none (a sum inside a variance's lowering): never of the
+            # pointwise op after it (fuzzer seeds 809942 and 810127: the
+            # norm's rsqrt, the iota of a mask, both wrong answers)
+            origins = {o for o in origins if _reduces(o, kind)}
         sinks = [o for o in origins if not any(u in origins for u in o.users)]
         # several: the one downstream of all the others (their chains may
         # pass through nodes that are other buffers' values)
         last = [o for o in sinks if set(sinks) - {o} <= _ancestors(o)]
-        if len(last) == 1 and (_one_buffer(last[0]) or _sum_of_mean(buf, last[0])):
+        if (
+            len(last) == 1
+            and (_one_buffer(last[0]) or _sum_of_mean(buf, last[0]))
+            and _reads_covered(buf, last[0])
+        ):
             node = last[0]
     return node
+
+
+#: a reduction buffer's kind -> the ops whose value such a buffer can be
+_REDUCTIONS = {
+    "sum": ("aten::sum", "aten::mean"),  # a mean's buffer is its sum (``_sum_of_mean``)
+    "max": ("aten::amax",),
+    "min": ("aten::amin",),
+    "prod": ("aten::prod",),
+    "any": ("aten::any",),
+    "argmax": ("aten::argmax",),
+    "argmin": ("aten::argmin",),
+}
+
+
+def _reduction_kind(buf) -> str | None:
+    data = getattr(buf, "data", None)
+    return data.reduction_type if isinstance(data, ir.Reduction) else None
+
+
+def _reduces(node: torch.fx.Node, kind: str) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.name in _REDUCTIONS.get(kind, ())
+
+
+def _reads_covered(buf, node: torch.fx.Node) -> bool:
+    """Whether every graph input ``buf``'s loops read is an input of ``node``'s
+    computation.  Inductor's loops load only what the value needs, so a guess
+    computed without one of them is another op's value (809942: the layer
+    norm's sum reads the RMS norm's weight; the RMS norm's rsqrt does not)."""
+    try:
+        reads = {d.name for d in buf.get_read_writes().reads}
+    except (AttributeError, NotImplementedError):
+        return False
+    inputs = reads & set(V.graph.graph_inputs)
+    if not inputs:
+        return True
+    mine = {n.name for n in _ancestors(node) | {node} if n.op == "placeholder"}
+    return inputs <= mine
 
 
 _SCATTERS = ("aten::index_put", "aten::scatter", "aten::scatter_add", "aten::scatter_reduce",

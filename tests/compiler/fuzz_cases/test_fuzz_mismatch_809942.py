@@ -3,13 +3,13 @@
 3 ops (view, norm, norm)
 output 0 torch.float32(1, 2, 8): max abs error 0.468 > atol 2.32e-05 (error scale 1.43e-06, max |value| 2.28)
 
-Open: a reduction's buffer run as an eager node is taken for the wrong FX
-node (no node Inductor tracked; the candidate search picks another op of the
-buffer's shape: the iota of a mask, the other norm's mean).  A wrong answer,
-found in the last long run of 2026-12-04; not fixed this round.
+Fixed: a reduction's buffer Inductor tracked to no FX node was taken for
+another op of its shape (the norm's rsqrt, the iota of a mask).  A guessed
+node must now be a reduction of the buffer's kind and read every graph input
+the buffer's loops read (``eager_nodes.origin_node``); a buffer with no such
+node (a sum inside a variance's lowering) runs on the host from its IR.
 """
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -45,9 +45,6 @@ def fn(v0, v2, v4, v5):
 ATOL = [2.32e-05]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: a reduction buffer's eager node takes the wrong FX node"
-)
 def test_case():
     torch._dynamo.reset()
     want = fn(*make_inputs("cpu"))

@@ -3,13 +3,13 @@
 3 ops (where, view, reduce)
 output 0 torch.float32(1,): max abs error 0.161 > atol 1.42e-06 (error scale 8.77e-08, max |value| 0.161)
 
-Open: a reduction's buffer run as an eager node is taken for the wrong FX
-node (no node Inductor tracked; the candidate search picks another op of the
-buffer's shape: the iota of a mask, the other norm's mean).  A wrong answer,
-found in the last long run of 2026-12-04; not fixed this round.
+Fixed: a reduction's buffer Inductor tracked to no FX node was taken for
+another op of its shape (the norm's rsqrt, the iota of a mask).  A guessed
+node must now be a reduction of the buffer's kind and read every graph input
+the buffer's loops read (``eager_nodes.origin_node``); a buffer with no such
+node (a sum inside a variance's lowering) runs on the host from its IR.
 """
 
-import pytest
 import torch
 
 
@@ -43,9 +43,6 @@ def fn(v0):
 ATOL = [1.42e-06]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open: a reduction buffer's eager node takes the wrong FX node"
-)
 def test_case():
     torch._dynamo.reset()
     want = fn(*make_inputs("cpu"))
