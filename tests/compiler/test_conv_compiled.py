@@ -1,5 +1,6 @@
-"""Convolutional networks compiled on spyre: convolutions (Inductor's extern
-kernel, served by the device's im2col program), batch norm (fused into
+"""Convolutional networks compiled on spyre: convolutions (routed to the
+device's im2col program through ``spyre::convolution``:
+compiler/conv_routes.py), batch norm (fused into
 pointwise kernel programs) and pooling (routed to the device's pooling
 programs: compiler/pool_routes.py) run with no host fallback and no degraded
 node, matching the CPU in fp32."""
@@ -110,3 +111,34 @@ def test_tiny_hf_vision_backbones_run_on_the_card_eager_and_compiled(kind):
             torch.testing.assert_close(got.cpu(), want, **tolerances(torch.float32))
             assert dispatch_stats.counts("fallback") == {}
             assert dispatch_stats.counts("degraded") == {}
+
+
+def test_a_conv_block_keeps_its_layouts_and_its_bias_in_the_matmul():
+    """A fp16 conv (bias) + BatchNorm2d (eval) + ReLU block: the convolution is
+    the device program in the graph's own layouts (no channels-last copies of
+    its input or weights, as Inductor's ``aten.convolution`` lowering made:
+    208.52 us modelled then), its bias in the matmul program, and the batch
+    norm with the ReLU one pointwise program."""
+    from torch_spyre.profiler import profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(1, 64, 56, 56)
+    want = model(x)
+    dev = copy.deepcopy(model).half().to("spyre")
+    torch._dynamo.reset()
+    with fresh_cache(), torch.no_grad():
+        fn = torch.compile(dev, fullgraph=True, dynamic=False)
+        xs = x.half().to("spyre")
+        fn(xs)
+        with profile() as p:
+            got = fn(xs)
+    torch.testing.assert_close(got.cpu().float(), want, **tolerances(torch.float16))
+    names = [k.name for k in p.kernels]
+    assert sum(n.startswith("addmm_") for n in names) == 1, names  # the bias in the matmul
+    assert sum(n.startswith("fused_") for n in names) == 1, names  # BN + ReLU, one pass
+    assert not any("convolution" in n for n in names), names  # no re-layout programs
+    assert p.total_time_s * 1e6 == pytest.approx(135.66, rel=1e-3)

@@ -46,6 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
@@ -252,6 +253,9 @@ _ROUTED = {
     ),
     # pooling: a window loop no program expresses (compiler/pool_routes.py)
     **_POOL_ROUTES,
+    # convolutions: the eager device program, in the graph's own layouts
+    # (compiler/conv_routes.py)
+    **_CONV_ROUTES,
 }
 
 
