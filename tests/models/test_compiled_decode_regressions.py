@@ -85,19 +85,19 @@ REFUSE = {
 }  # fmt: skip
 
 
-#: open: with every group holding the KV-cache write refused, cohere and helium
-#: decode off by 6.3e-3 (a wrong answer of the eager-node path; also on the
-#: tree before this round, 0a710b2).  No model reaches it unforced: the
-#: planner serves their cache writes (the architecture sweep: 0 mismatches).
-_OPEN = pytest.mark.xfail(
-    strict=True, reason="open: a KV-cache write run as an eager node decodes wrong"
-)
+#: with every group holding the KV-cache write refused, cohere and helium
+#: decoded off by 6.3e-3: the write's position buffer (a pointwise [1] value
+#: Inductor tracked to no FX node, realized once per cache) was taken for the
+#: iota among its origins.  A guessed node must now read every graph input
+#: the buffer reads (``eager_nodes._reads_covered``); these buffers have
+#: none, so they run on the host from their IR (4 nodes), and the tokens match
+HOST_NODES = {"cohere": 4, "helium": 4}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type",
-    [pytest.param(m, marks=_OPEN) if REFUSE[m] == "index_put_" else m for m in sorted(REFUSE)],
+    sorted(REFUSE),
 )
 def test_degraded_rotary_decodes_like_the_cpu(model_type, monkeypatch):
     """Interleaved rotary that the planner cannot express runs as eager kernels
@@ -135,7 +135,8 @@ def test_degraded_rotary_decodes_like_the_cpu(model_type, monkeypatch):
     with fresh_cache():  # a graph planned under the refusal stays out of the cache
         res = _compiled_sweep_type(model_type)
     assert res.verdict == "match" and res.max_diff < 1e-6, (res.error, res.max_diff)
-    assert res.degraded.get("eager", 0) > 0 and res.host_fallbacks == 0
+    assert res.degraded.get("eager", 0) > 0
+    assert res.degraded.get("host", 0) == HOST_NODES.get(model_type, 0), res.degraded
 
 
 @pytest.mark.slow
