@@ -595,3 +595,17 @@ def test_a_host_node_reads_a_graph_input_from_its_first_element():
     v2 = torch.rand(1, 8, 2, 7, generator=g) * 4 - 2
     v4 = torch.rand(4, generator=g) * 4 - 2
     _check(fn, v0, v1, lambda d: v2.to(d)[:, :, ::2], lambda d: v4.to(d)[1:2])
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 2), (2, 3, 4, 8)], ids=["seed", "wider"])
+def test_a_flat_read_across_three_dims_reads_every_element(shape):
+    """Seed 904073: ``log_softmax(x.flatten(1, 3))`` of a [1, 2, 2, 2] input.
+    The reduction's variable (range 8) reads the input one dim per piece, as
+    factor sizes [2, 2, 2]; the split dropped its innermost piece and iterated
+    [2, 2], so the max and the sum saw half the row (a wrong answer)."""
+
+    def fn(v0):
+        return F.log_softmax(v0.flatten(1, 3), dim=-1), v0.flatten(1, 3).sum(-1)
+
+    g = torch.Generator().manual_seed(904073)
+    _check(fn, torch.rand(*shape, generator=g) * 4 - 2)

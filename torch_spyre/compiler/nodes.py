@@ -154,8 +154,11 @@ def _find_splits(node, pw, red) -> dict[int, int | list[int]]:
         if len(chain) == 1:
             out[i] = chain[0]
         else:
-            bounds = [*chain, sizes[i]]
-            out[i] = [sizes[i] // chain[-1]] + [b // a for a, b in zip(chain, bounds[1:-1])][::-1]
+            # factor sizes, outer to inner: the product is the whole range (the
+            # innermost piece, chain[0], was left out: a range of 8 read as
+            # [2, 2, 2] iterated 4 of its values; fuzzer seed 904073)
+            steps = [b // a for a, b in zip(chain, chain[1:])][::-1]
+            out[i] = [sizes[i] // chain[-1], *steps, chain[0]]
     return out
 
 
