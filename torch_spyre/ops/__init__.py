@@ -22,6 +22,7 @@ def register() -> None:
         matmul,
         mlp,
         moe,
+        nested,
         normalization,
         paged_attention,
         pooling,

@@ -11,10 +11,10 @@ from torch_spyre.runtime import dispatch_stats
 from torch_spyre.runtime.registration import entry
 
 _lib: torch.library.Library | None = None
-#: (overload name, kernel) declared by the ``kernel`` decorator, registered by
-#: ``register()`` (``torch_spyre/__init__.py``): importing an op module
-#: registers nothing
-_declared: list[tuple[str, Callable]] = []
+#: (overload name, kernel, dispatch key) declared by the ``kernel`` decorator,
+#: registered by ``register()`` (``torch_spyre/__init__.py``): importing an op
+#: module registers nothing
+_declared: list[tuple[str, Callable, str]] = []
 
 
 def register() -> None:
@@ -23,16 +23,23 @@ def register() -> None:
     if _lib is None:
         _lib = torch.library.Library("aten", "IMPL")
     while _declared:
-        name, impl = _declared.pop(0)
-        _lib.impl(name, entry(impl), "PrivateUse1")
+        name, impl, key = _declared.pop(0)
+        _lib.impl(name, entry(impl), key)
 
 
 class NoKernel(Exception):
     """Raised by a kernel for inputs it does not serve (the host fallback runs)."""
 
 
-def kernel(*names: str, path: str = "kernel", fallback: Callable | None = None, fp8: bool = False):
-    """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads.
+def kernel(
+    *names: str,
+    path: str = "kernel",
+    fallback: Callable | None = None,
+    fp8: bool = False,
+    key: str = "PrivateUse1",
+):
+    """Register ``fn`` as the PrivateUse1 kernel of the given aten overloads
+    (``key``: another dispatch key of the device, ``NestedTensorPrivateUse1``).
 
     ``fn(*args, **kwargs)`` may return NotImplemented (or raise NoKernel) for
     inputs it does not serve; those then go through the host fallback,
@@ -68,7 +75,7 @@ def kernel(*names: str, path: str = "kernel", fallback: Callable | None = None, 
                 dispatch_stats.record(path, _name)
                 return result
 
-            _declared.append((name.removesuffix(".default"), impl))
+            _declared.append((name.removesuffix(".default"), impl, key))
             if _lib is not None:  # declared after registration: register now
                 register()
         return fn
