@@ -35,6 +35,7 @@ from matrix_table import Row, write  # noqa: E402
 
 import torch_spyre  # noqa: E402
 import torch_spyre.models as models  # noqa: E402
+from torch_spyre import settings  # noqa: E402
 from torch_spyre.models.generate import generate  # noqa: E402
 from torch_spyre.runtime.fallback import fallback_policy  # noqa: E402
 from torch_spyre.testing import tolerances  # noqa: E402
@@ -152,7 +153,8 @@ def test_decoder_compiled(arch: str) -> None:
     want = generate(ref, ids, 8, keep_logits=True)
     torch._dynamo.reset()
     torch_spyre.reset_fallback_counts()
-    with fallback_policy("error"):
+    # no host fallback, and no degrade step either: every group plans
+    with fallback_policy("error"), settings.override(compile_fallback="error"):
         got = generate(dev, ids, 8, keep_logits=True, force_tokens=want.tokens)
     assert torch_spyre.fallback_counts() == {}
     g, w, ties = _steps_close(got, want)
@@ -194,7 +196,11 @@ def test_encoder_compiled(arch: str) -> None:
     ids = _ids()
     torch._dynamo.reset()
     torch_spyre.reset_fallback_counts()
-    with torch.no_grad(), fallback_policy("error"):
+    with (
+        torch.no_grad(),
+        fallback_policy("error"),
+        settings.override(compile_fallback="error"),
+    ):
         got = _out(dev(input_ids=ids.to("spyre")))
     assert torch_spyre.fallback_counts() == {}
     with torch.no_grad():

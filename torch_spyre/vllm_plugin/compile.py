@@ -25,6 +25,14 @@ graph per bucket is ever compiled, whatever the decode/prefill mix.
   only, and zeroes the padded rows of its output; every other layer is row-wise.
   The runner returns the real rows only.
 
+* **Piece by piece** (``TORCH_SPYRE_VLLM_PIECEWISE``, on by default): each
+  bucket's graph is cut at the attention ops and each distinct piece is
+  compiled once (``compiler/piecewise.py``): a decoder's layers are one
+  piece compiled once, not once per layer.  SmolLM2-135M (30 layers, buckets
+  16 and 256, fp16): engine start 45.6 s cold as one graph, 19.0 s piece by
+  piece (62 pieces, 6 compiled); warm 16.3 s and 18.7 s; the same tokens;
+  54.979 and 54.220 ms modelled for a 16-token answer.
+
 ``TORCH_SPYRE_VLLM_COMPILE=0`` runs the same layers eagerly, op by op.
 ``TORCH_SPYRE_VLLM_BUCKETS=16,64,256`` sets the buckets (the largest scheduled
 token count is always added).
@@ -40,6 +48,7 @@ import torch
 from vllm.logger import init_logger
 
 from torch_spyre import settings
+from torch_spyre.compiler import piecewise
 
 logger = init_logger(f"vllm.{__name__}")  # vLLM configures the "vllm" tree
 
@@ -79,6 +88,7 @@ class CompiledForward:
         self.calls: Counter[int] = Counter()  # steps per bucket
         self.compile_s: dict[int, float] = {}  # first call per bucket (compile + run)
         self.cache: Counter[str] = Counter()  # AOTAutograd cache: hit / miss / bypass
+        self.pieces = piecewise.Stats()  # pieces compiled / reused (piecewise.py)
         self._bucket: int | None = None
         # one graph per bucket; never fall back to eager silently.  Dynamo's
         # limit counts entries per code object, across every model of the
@@ -98,7 +108,7 @@ class CompiledForward:
         # Inductor (which hands spyre tensors to the spyre scheduling/wrapper):
         # exactly what torch.compile's default backend does, plus a count.
         self.graphs += 1
-        return _compile_fx(gm, example_inputs, self.cache)
+        return _compile_fx(gm, example_inputs, self.cache, self.pieces)
 
     def __call__(
         self,
@@ -156,6 +166,7 @@ class CompiledForward:
             "calls": dict(self.calls),
             "compile_s": dict(self.compile_s),
             "aot_cache": dict(self.cache),
+            "pieces": self.pieces.as_dict(),
         }
 
 
@@ -210,15 +221,50 @@ class CompiledHead:
         }
 
 
-def _compile_fx(gm: torch.fx.GraphModule, example_inputs, cache: Counter[str]):
-    """Inductor's ``compile_fx``; ``cache`` counts the AOTAutograd cache's
-    verdicts (hit, miss, bypass: a warm start loads every graph whole, see
-    ``torch_spyre.compiler.CACHEABLE_FACTORIES``)."""
+def _is_attention(node: torch.fx.Node) -> bool:
+    """vLLM's attention ops, where a forward is cut into pieces."""
+    ops = (torch.ops.vllm.unified_attention_with_output, torch.ops.vllm.unified_kv_cache_update)
+    return node.target in ops or node.target in tuple(op.default for op in ops)
+
+
+def _salt() -> str:
+    """What else a compiled piece depends on: the compiler's version and the
+    planning options."""
+    from torch_spyre.compiler import backend_version
+    from torch_spyre.kernels import options
+
+    return backend_version() + ":" + options.current().key()
+
+
+def _compile_fx(
+    gm: torch.fx.GraphModule,
+    example_inputs,
+    cache: Counter[str],
+    pieces: piecewise.Stats | None = None,
+):
+    """Inductor's ``compile_fx``, piece by piece between attention ops
+    (``compiler/piecewise.py``; ``TORCH_SPYRE_VLLM_PIECEWISE``); ``cache``
+    counts the AOTAutograd cache's verdicts (hit, miss, bypass: a warm start
+    loads every graph whole, see ``torch_spyre.compiler.CACHEABLE_FACTORIES``)."""
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
 
     before = dict(counters["aot_autograd"])
-    out = compile_fx(gm, example_inputs)
+    if settings.get().vllm_piecewise:
+
+        def compile_piece(piece, inputs):
+            # AOTAutograd's cache is off for pieces: a piece loaded from it (a
+            # warm start) handed a host tensor to a card program ("not a spyre
+            # tensor"), not investigated; Inductor's FX graph cache still
+            # serves the pieces' code across processes
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_fx(piece, inputs)
+
+        out = piecewise.compile_piecewise(
+            gm, example_inputs, _is_attention, compile_piece, salt=_salt(), stats=pieces
+        )
+    else:
+        out = compile_fx(gm, example_inputs)
     for verdict in ("hit", "miss", "bypass"):
         key = f"autograd_cache_{verdict}"
         n = counters["aot_autograd"][key] - before.get(key, 0)
