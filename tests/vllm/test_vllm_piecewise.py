@@ -57,7 +57,10 @@ def _run(path: str, prompts: list[list[int]]):
 def test_identical_layers_compile_once_with_the_same_tokens_and_time(
     five_layer_llama, spyre_settings, hf_greedy
 ):
+    from torch_spyre.compiler import piecewise
+
     spyre_settings(vllm_piecewise=True)
+    piecewise.clear()  # pieces another engine of this process compiled would be reused
     ref = LlamaForCausalLM.from_pretrained(five_layer_llama, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 11)]

@@ -250,7 +250,7 @@ def _compile_fx(
     from torch._inductor.compile_fx import compile_fx
 
     before = dict(counters["aot_autograd"])
-    if settings.get().vllm_piecewise:
+    if settings.get().vllm_piecewise and any(_is_attention(n) for n in gm.graph.nodes):
 
         def compile_piece(piece, inputs):
             # AOTAutograd's cache is off for pieces: a piece loaded from it (a
