@@ -122,33 +122,41 @@ def compile_piecewise(
         allow_non_fake_inputs=True
     )
 
-    class _Compile(torch.fx.Interpreter):
+    found: list[tuple[str, torch.fx.GraphModule, tuple]] = []
+
+    class _Inputs(torch.fx.Interpreter):
+        """Runs the split graph on fake tensors: each piece's inputs."""
+
         def call_module(self, target, args, kwargs):
-            sub = self.fetch_attr(target)
-            out = super().call_module(target, args, kwargs)
             if target in pieces:
-                stats.pieces += 1
-                key = piece_key(sub, args, salt)
-                fn = _PIECES.get(key) if key is not None else None
-                if fn is None:
-                    stats.compiled += 1
-                    fn = compile_piece(sub, list(args))
-                    if key is not None:
-                        _PIECES[key] = fn
-                else:
-                    stats.reused += 1
-                # the parent's code calls self.<target>(...): the compiled code
-                # in its place (not a module: set past nn.Module's __setattr__)
-                del split._modules[target]
-                split.__dict__[target] = fn
-            return out
+                found.append((target, self.fetch_attr(target), args))
+            return super().call_module(target, args, kwargs)
 
     fakes = [
         fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) and not _is_fake(a) else a
         for a in example_inputs
     ]
     with fake_mode:
-        _Compile(split).run(*fakes)
+        _Inputs(split).run(*fakes)
+    # compiled outside the fake mode: a constant a graph pass makes (RoPE's
+    # permutation matrix, a lane table) must be a real tensor, or AOTAutograd's
+    # cache stores it as a meta tensor (a warm start then handed it to a card
+    # program: "not a spyre tensor")
+    for target, sub, args in found:
+        stats.pieces += 1
+        key = piece_key(sub, args, salt)
+        fn = _PIECES.get(key) if key is not None else None
+        if fn is None:
+            stats.compiled += 1
+            fn = compile_piece(sub, list(args))
+            if key is not None:
+                _PIECES[key] = fn
+        else:
+            stats.reused += 1
+        # the parent's code calls self.<target>(...): the compiled code in its
+        # place (not a module: set past nn.Module's __setattr__)
+        del split._modules[target]
+        split.__dict__[target] = fn
     return split
 
 

@@ -251,17 +251,8 @@ def _compile_fx(
 
     before = dict(counters["aot_autograd"])
     if settings.get().vllm_piecewise and any(_is_attention(n) for n in gm.graph.nodes):
-
-        def compile_piece(piece, inputs):
-            # AOTAutograd's cache is off for pieces: a piece loaded from it (a
-            # warm start) handed a host tensor to a card program ("not a spyre
-            # tensor"), not investigated; Inductor's FX graph cache still
-            # serves the pieces' code across processes
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                return compile_fx(piece, inputs)
-
         out = piecewise.compile_piecewise(
-            gm, example_inputs, _is_attention, compile_piece, salt=_salt(), stats=pieces
+            gm, example_inputs, _is_attention, compile_fx, salt=_salt(), stats=pieces
         )
     else:
         out = compile_fx(gm, example_inputs)
