@@ -29,9 +29,9 @@ graph per bucket is ever compiled, whatever the decode/prefill mix.
   bucket's graph is cut at the attention ops and each distinct piece is
   compiled once (``compiler/piecewise.py``): a decoder's layers are one
   piece compiled once, not once per layer.  SmolLM2-135M (30 layers, buckets
-  16 and 256, fp16): engine start 45.6 s cold as one graph, 19.0 s piece by
-  piece (62 pieces, 6 compiled); warm 16.3 s and 18.7 s; the same tokens;
-  54.979 and 54.220 ms modelled for a 16-token answer.
+  16 and 256, fp16): engine start 45.6 s cold as one graph, 19.0-21.9 s
+  piece by piece (62 pieces, 6 compiled); warm 16.3 s and 17.4 s; the same
+  tokens; 54.979 and 54.220 ms modelled for a 16-token answer.
 
 ``TORCH_SPYRE_VLLM_COMPILE=0`` runs the same layers eagerly, op by op.
 ``TORCH_SPYRE_VLLM_BUCKETS=16,64,256`` sets the buckets (the largest scheduled
