@@ -314,6 +314,10 @@ MODEL_NAME = "smollm2"
 MAX_SEQS = 8  # requests the server decodes together (vLLM's --max-num-seqs)
 
 
+def _max_seqs(prompts: list[str]) -> int:
+    return max(1, min(len(prompts), MAX_SEQS))
+
+
 def _prompt(c: dict, score: float) -> str:
     """The claim's facts as short sentences (a small model reads them better than JSON)."""
     share = 100 * c["claim_amount"] / max(c["last_claim_amount"], 0.01)
@@ -391,7 +395,7 @@ def serve_and_ask(
     """Start ``vllm serve`` on the card, ask each prompt through /v1/chat/completions
     with the verdict schema; returns the answers and the stats."""
     budget = _budget(folder, prompts)
-    max_seqs = max(1, min(len(prompts), MAX_SEQS))
+    max_seqs = _max_seqs(prompts)
     port, metrics_port = _free_port(), _free_port()
     log = tempfile.NamedTemporaryFile(prefix="fraud_triage_vllm_", suffix=".log", delete=False)
     env = {
@@ -509,8 +513,7 @@ def offline_ask(folder: str, prompts: list[str], max_tokens: int, dtype: str):
     os.environ["TORCH_SPYRE_VLLM_BUCKETS"] = f"16,{budget}"
     os.environ["TORCH_SPYRE_VLLM_WARMUP"] = "all"
     t0 = time.perf_counter()
-    seqs = max(1, min(len(prompts), MAX_SEQS))
-    llm = LLM(model=folder, dtype=dtype, max_model_len=1024, max_num_seqs=seqs,
+    llm = LLM(model=folder, dtype=dtype, max_model_len=1024, max_num_seqs=_max_seqs(prompts),
               max_num_batched_tokens=budget, kv_cache_memory_bytes=64 << 20)  # fmt: skip
     startup = time.perf_counter() - t0
     params = SamplingParams(

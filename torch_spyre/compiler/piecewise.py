@@ -96,11 +96,10 @@ def compile_piecewise(
     example inputs)`` compiles one piece (Inductor's ``compile_fx``)."""
     stats = stats if stats is not None else Stats()
     cuts = [n for n in gm.graph.nodes if n.op == "call_function" and is_cut(n)]
-    if cuts:
-        _share_lookups(gm)
     if not cuts:
         stats.pieces, stats.compiled = 1, 1
         return compile_piece(gm, example_inputs)
+    _share_lookups(gm)
     part, ids = 0, {}
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):

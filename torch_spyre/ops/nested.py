@@ -24,8 +24,8 @@ redispatched to its CPU kernel, and read by ``_nested_tensor_size`` /
 ``_nested_tensor_storage_offsets`` / ``values`` redispatched to their
 NestedTensorCPU kernels: those kernels build or read metadata only (a
 ``NestedTensorImpl`` whose dispatch key, NestedTensorPrivateUse1, comes from
-the buffer), never the values.  ``tests/ops/test_nested.py`` fails if that
-stops holding.  Any other op on such a tensor is PyTorch's "could not run
+the buffer), never the values.  ``tests/ops/test_transformer_fastpath.py``
+fails if that stops holding.  Any other op on such a tensor is PyTorch's "could not run
 ... with arguments from the 'NestedTensorspyre' backend" error.
 """
 

@@ -228,12 +228,11 @@ def _is_attention(node: torch.fx.Node) -> bool:
 
 
 def _salt() -> str:
-    """What else a compiled piece depends on: the compiler's version and the
-    planning options."""
-    from torch_spyre.compiler import backend_version
-    from torch_spyre.kernels import options
+    """What else a compiled piece depends on: what the spyre graph pass's
+    cache key holds (the compiler's version and the planning options)."""
+    from torch_spyre.compiler.passes import SpyreGraphPass
 
-    return backend_version() + ":" + options.current().key()
+    return SpyreGraphPass().uuid()
 
 
 def _compile_fx(
