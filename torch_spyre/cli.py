@@ -2,7 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL|config.json|FOLDER [--batch B] [--prompt N] [--new-tokens N] [--tp N]
+    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--prompt N] [--new-tokens N] [--tp N]
                    [--dtype fp16|fp8|int8] [--json out.json]
     spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
                    [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
@@ -109,6 +109,7 @@ def _estimate(args: argparse.Namespace) -> int:
                 config=cfg,
                 batch=args.batch,
                 tp=args.tp,
+                token_budget=args.token_budget,
             )
         except NotImplementedError as e:  # a split or shape the estimator does not model
             raise SystemExit(f"spyre estimate {name}: {e}") from None
@@ -211,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument("--prompt", type=int, default=1024, help="prefill tokens per request")
     e.add_argument("--batch", type=int, default=1, help="requests per step (--serve: max seqs)")
+    e.add_argument(
+        "--token-budget",
+        type=int,
+        default=2048,
+        help="tokens one prefill step packs (vLLM's max_num_batched_tokens; vllm serve's default)",
+    )
     e.add_argument("--tp", type=int, default=1, help="cards, tensor parallel (1..8)")
     e.add_argument("--serve", action="store_true", help="a serving plan (vLLM's scheduler)")
     e.add_argument("--rate", default=None, help="--serve: requests/s (R1,R2,... to sweep)")

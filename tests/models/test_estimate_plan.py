@@ -71,6 +71,26 @@ def test_batch_scales_kv_and_throughput(config_path):
     assert d["decode_tokens_per_s"] == pytest.approx(4 / four.decode_s)
 
 
+def test_prefill_packs_prompts_into_the_token_budget(config_path):
+    """vLLM's scheduler packs whole prompts into a step's token budget: four
+    32-token prompts in a 128-token budget are one step of four requests,
+    whose weights are read once, not four times."""
+    assert E.prefill_batch(32, 512, 2048) == 4
+    assert E.prefill_batch(6, 512, 2048) == 3  # a divisor of the batch: equal steps
+    assert E.prefill_batch(4, 4096, 2048) == 1  # longer than the budget: whole
+    with pytest.raises(ValueError, match="token budget"):
+        E.prefill_batch(4, 32, 0)
+    alone = _est(config_path, batch=4, token_budget=PROMPT)
+    packed = _est(config_path, batch=4, token_budget=4 * PROMPT)
+    assert (alone.prefill_batch, packed.prefill_batch) == (1, 4)
+    assert packed.prefill_flops == alone.prefill_flops
+    assert packed.decode_s == alone.decode_s
+    layer = lambda e: next(p for p in e.prefill if p.name.startswith("decoder"))  # noqa: E731
+    assert layer(alone).count == 4 * layer(packed).count
+    assert packed.prefill_s < alone.prefill_s
+    assert "prefill 4 requests per step (128-token budget)" in packed.format()
+
+
 def test_does_not_fit_names_the_cards_needed(config_path, spyre_settings):
     one = _est(config_path)
     per = one.per_card_bytes

@@ -369,6 +369,23 @@ def _linear_rows(module: nn.Module) -> int:
     return sum(m.out_features for m in module.modules() if isinstance(m, QuantizedLinear))
 
 
+#: vLLM's default ``max_num_batched_tokens`` for ``vllm serve`` on hardware it
+#: has no tuned defaults for (``EngineArgs``: 2048 for the API server)
+DEFAULT_TOKEN_BUDGET = 2048
+
+
+def prefill_batch(batch: int, prompt: int, token_budget: int) -> int:
+    """Requests of ``prompt`` tokens one prefill step packs: as many whole
+    prompts as the budget holds (at least one), rounded down to a divisor of
+    ``batch`` so that every step is the same planned step."""
+    if token_budget < 1:
+        raise ValueError(f"token budget must be at least 1, got {token_budget}")
+    fit = max(1, min(batch, token_budget // max(prompt, 1)))
+    while batch % fit:
+        fit -= 1
+    return fit
+
+
 def estimate(
     name: str,
     *,
@@ -382,6 +399,7 @@ def estimate(
     weights: torch.dtype | None = None,
     batch: int = 1,
     tp: int = 1,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
 ) -> Estimate:
     """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
     decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
@@ -395,9 +413,11 @@ def estimate(
     (``models.quantized.QuantizedLinear``: read as 8-bit data, dequantised in
     LX; activations stay ``dtype``); the embedding and LM head stay ``dtype``,
     as the usual fp8 recipes leave them.
-    ``batch``: requests per decode step, all at the same position (their
-    prefills run one request after another, as a serving token budget splits
-    them: one planned, counted ``batch`` times); ``tp``: cards the
+    ``batch``: requests per decode step, all at the same position; their
+    prefills are packed into steps of at most ``token_budget`` tokens, as
+    vLLM's scheduler packs them (``max_num_batched_tokens``; one step of
+    ``prefill_batch(...)`` requests planned, counted once per step; a prompt
+    longer than the budget is planned whole); ``tp``: cards the
     model is split over as vLLM's parallel layers split it (models/parallel.py;
     the plan is one card's shard plus the collectives).
     """
@@ -552,9 +572,11 @@ def estimate(
         for phase, tokens in (("prefill", prompt), ("decode", 1)):
             parts = prefill_parts if phase == "prefill" else decode_parts
             start = 0 if phase == "prefill" else prompt
-            # a batch's prefill runs request by request (as vLLM's token budget
-            # splits it): one request planned, counted ``batch`` times
-            pb, reps = (1, batch) if phase == "prefill" else (batch, 1)
+            # a batch's prefill runs in steps of the token budget (vLLM packs
+            # whole prompts into a step's budget): one step planned, counted
+            # once per step
+            packed = prefill_batch(batch, prompt, token_budget)
+            pb, reps = (packed, batch // packed) if phase == "prefill" else (batch, 1)
             ids = torch.zeros(pb, tokens, dtype=torch.long).to(dev)
             pos_h = torch.arange(start, start + tokens)
             pos = pos_h[None].to(dev)
@@ -696,6 +718,8 @@ def estimate(
         weights_dtype=str(weights or dtype).replace("torch.", ""),
         quantized_params=quant_params,
         batch=batch,
+        prefill_batch=prefill_batch(batch, prompt, token_budget),
+        token_budget=token_budget,
         tp=tp,
         model_params=model_params or params,
         per_card_bytes=per_card,

@@ -59,6 +59,10 @@ class Estimate:
     quantized_params: int = 0
     #: requests per step (every request at the same position)
     batch: int = 1
+    #: requests one prefill step packs (``token_budget`` tokens at most), and
+    #: the budget (vLLM's ``max_num_batched_tokens``)
+    prefill_batch: int = 1
+    token_budget: int = 2048
     #: cards the model is split over (tensor parallel, models/parallel.py);
     #: times, memory and floors above are per card
     tp: int = 1
@@ -191,6 +195,12 @@ class Estimate:
                 f"{self.collective_s['prefill'] * 1e3:.3f} ms per prefill, "
                 f"{self.collective_s['decode'] * 1e3:.3f} ms per decode step)"
                 if self.tp > 1
+                else ""
+            )
+            + (
+                f"; prefill {self.prefill_batch} request{'s' if self.prefill_batch > 1 else ''}"
+                f" per step ({self.token_budget}-token budget)"
+                if self.batch > 1
                 else ""
             )
             + f"; decode {1 / self.decode_s:.1f} tokens/s per request, "
