@@ -2,7 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--prompt N] [--new-tokens N] [--tp N]
+    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--explain] [--prompt N] [--new-tokens N] [--tp N]
                    [--dtype fp16|fp8|int8] [--json out.json]
     spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
                    [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
@@ -114,6 +114,8 @@ def _estimate(args: argparse.Namespace) -> int:
         except NotImplementedError as e:  # a split or shape the estimator does not model
             raise SystemExit(f"spyre estimate {name}: {e}") from None
         print(est.format())
+        if args.explain:
+            print(est.explain())
         print()
         results.append(est.to_json())
     if args.json:
@@ -212,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument("--prompt", type=int, default=1024, help="prefill tokens per request")
     e.add_argument("--batch", type=int, default=1, help="requests per step (--serve: max seqs)")
+    e.add_argument(
+        "--explain",
+        action="store_true",
+        help="each kernel as planned: time against its roofline, utilisation, core grid, tiles",
+    )
     e.add_argument(
         "--token-budget",
         type=int,

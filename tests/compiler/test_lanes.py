@@ -227,3 +227,34 @@ def test_last_dim_pads_of_masks_are_the_device_cat(case):
     got = torch.compile(fn, fullgraph=True)(x.to("spyre")).cpu()
     assert degrade.counts()["eager"] == 0 and torch_spyre.fallback_counts() == {}
     assert torch.equal(got, fn(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rotate_half_of_a_transposed_projection_reads_it_in_place(dtype):
+    """RoPE on ``proj(x).view(b, s, h, d).transpose(1, 2)``: the rotation's
+    permutation matmul reads the projection's rows where they lie (no copy of
+    the transposed view into heads-major order first), and the result is
+    exact in fp32."""
+    from torch_spyre.sim import KernelRecord, trace
+
+    def f(x, w, cos, sin):
+        q = (x @ w.t()).view(2, 8, 4, 128).transpose(1, 2)
+        rot = torch.cat((-q[..., 64:], q[..., :64]), dim=-1)
+        return q * cos + rot * sin
+
+    args = (
+        torch.randn(2, 8, 256),
+        torch.randn(512, 256) / 16,
+        torch.randn(8, 128),
+        torch.randn(8, 128),
+    )
+    records: list = []
+    trace.add_listener(records.append)
+    try:
+        got, want = _compiled(f, *args, dtype=dtype)
+    finally:
+        trace.remove_listener(records.append)
+    names = [r.name for r in records if isinstance(r, KernelRecord)]
+    assert not any("clone" in n for n in names), names
+    tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else tolerances(dtype)
+    torch.testing.assert_close(got.float(), want, **tol)

@@ -37,6 +37,12 @@ def test_profile_collects_kernels_and_transfers():
     assert prof.total_time_s == pytest.approx(total)
     table = prof.table()
     assert "softmax_512x1024" in table and "h2d" in table and "total modelled time" in table
+    assert "plan" not in table.splitlines()[0]
+    # explain: each kernel's planned core grid and tiles (sim.timing.plan_text)
+    explained = prof.table(explain=True)
+    mm = next(line for line in explained.splitlines() if line.startswith("mm_256x512x512"))
+    assert k.report.plan and mm.endswith(k.report.plan)
+    assert k.report.plan.startswith(f"{k.cores_used} cores [")
 
 
 def test_chrome_trace_has_a_track_per_core(tmp_path):

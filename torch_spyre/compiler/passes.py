@@ -404,26 +404,11 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
         fake_mode = detect_fake_mode([xv])
         name = f"_spyre_lane_shuffle_{len([n for n in gm.graph.nodes if n.op == 'get_attr'])}"
         gm.register_buffer(name, perm.to(xv.device))
-        rows = xv.numel() // d
         with gm.graph.inserting_before(node):
             p_node = gm.graph.get_attr(name)
-            src = x
-            if not xv.is_contiguous():
-                src = gm.graph.call_function(
-                    aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
-                )
-            flat = gm.graph.call_function(aten.view.default, (src, [rows, d]))
-            mm = gm.graph.call_function(aten.mm.default, (flat, p_node))
-            out = gm.graph.call_function(aten.view.default, (mm, list(xv.shape[:-1]) + [dout]))
-        with fake_mode:
-            pv = fake_mode.from_tensor(getattr(gm, name))
-            p_node.meta["val"] = pv
-            sv = xv.clone(memory_format=torch.contiguous_format) if src is not x else xv
-            if src is not x:
-                src.meta["val"] = sv
-            flat.meta["val"] = sv.view(rows, d)
-            mm.meta["val"] = torch.mm(flat.meta["val"], pv)
-            out.meta["val"] = mm.meta["val"].view(*xv.shape[:-1], dout)
+            with fake_mode:
+                p_node.meta["val"] = fake_mode.from_tensor(getattr(gm, name))
+            out = _rows_matmul(gm, x, p_node, fake_mode)
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         changed = True
@@ -450,28 +435,65 @@ def _constant(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor, like, 
 def _lane_place(gm, piece: torch.fx.Node, width: int, col: int, fake_mode) -> torch.fx.Node:
     """``piece`` [..., w] with its columns placed at ``col..col+w`` of a
     [..., width] tensor of zeros: ``piece @ E`` on the PE array."""
-    aten = torch.ops.aten
     pv = piece.meta["val"]
     w = pv.shape[-1]
-    rows = pv.numel() // w if w else 0
     table = torch.zeros(w, width, dtype=pv.dtype)
     table[torch.arange(w), col + torch.arange(w)] = 1
     t_node = _constant(gm, "_spyre_lane_scatter", table, pv, fake_mode)
-    src = piece
-    if not pv.is_contiguous():
-        src = gm.graph.call_function(
-            aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
-        )
-    flat = gm.graph.call_function(aten.view.default, (src, [rows, w]))
-    mm = gm.graph.call_function(aten.mm.default, (flat, t_node))
-    out = gm.graph.call_function(aten.view.default, (mm, [*pv.shape[:-1], width]))
+    return _rows_matmul(gm, piece, t_node, fake_mode)
+
+
+def _memory_order(v: torch.Tensor) -> list[int] | None:
+    """The dims of ``v`` outermost first in memory, when ``v`` is a permutation
+    of a contiguous tensor that keeps its last dim last (a head-split
+    projection's ``view(b, s, h, d).transpose(1, 2)``); None otherwise."""
+    if v.dim() < 2 or v.stride(-1) != 1 or not is_non_overlapping_and_dense_or_false(v):
+        return None
+    outer = sorted(range(v.dim() - 1), key=lambda i: (-v.stride(i), i))
+    order = [*outer, v.dim() - 1]
+    return order if v.permute(order).is_contiguous() else None
+
+
+def _rows_matmul(gm, x: torch.fx.Node, table: torch.fx.Node, fake_mode) -> torch.fx.Node:
+    """``x @ table`` over ``x``'s last dim, as one ``mm`` of ``x``'s rows.
+
+    The rows are read where they lie: a permutation of a contiguous tensor
+    that keeps the last dim last is permuted back to memory order, viewed as
+    rows, and the product permuted like ``x`` (no copy of ``x``: RoPE's
+    rotation of ``q.transpose(1, 2)`` reads the projection's output as it
+    is). Only another layout is copied first."""
+    aten = torch.ops.aten
+    graph = gm.graph
+    xv = x.meta["val"]
+    # the table's real width (its fake value may carry a symbol for it)
+    d, w = xv.shape[-1], gm.get_buffer(table.target).shape[-1]
+    rows = xv.numel() // d if d else 0
+    order = list(range(xv.dim())) if xv.is_contiguous() else _memory_order(xv)
+    back = order is not None and order != sorted(order)
     with fake_mode:
-        sv = pv.clone(memory_format=torch.contiguous_format) if src is not piece else pv
-        if src is not piece:
-            src.meta["val"] = sv
-        flat.meta["val"] = sv.view(rows, w)
-        mm.meta["val"] = torch.mm(flat.meta["val"], t_node.meta["val"])
-        out.meta["val"] = mm.meta["val"].view(*pv.shape[:-1], width)
+        if order is None:
+            src = graph.call_function(
+                aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
+            )
+            src.meta["val"] = sv = xv.clone(memory_format=torch.contiguous_format)
+            order = list(range(xv.dim()))
+        elif back:
+            src = graph.call_function(aten.permute.default, (x, order))
+            src.meta["val"] = sv = xv.permute(order)
+        else:
+            src, sv = x, xv
+        flat = graph.call_function(aten.view.default, (src, [rows, d]))
+        flat.meta["val"] = sv.reshape(rows, d)
+        mm = graph.call_function(aten.mm.default, (flat, table))
+        mm.meta["val"] = torch.mm(flat.meta["val"], table.meta["val"])
+        shape = [*sv.shape[:-1], w]
+        out = graph.call_function(aten.view.default, (mm, shape))
+        out.meta["val"] = mm.meta["val"].view(*shape)
+        if back:
+            inverse = sorted(range(len(order)), key=order.__getitem__)
+            out_p = graph.call_function(aten.permute.default, (out, inverse))
+            out_p.meta["val"] = out.meta["val"].permute(inverse)
+            return out_p
     return out
 
 

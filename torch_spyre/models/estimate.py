@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from torch_spyre.models import parallel
-from torch_spyre.models.estimate_results import Estimate, Part
+from torch_spyre.models.estimate_results import Estimate, KernelPlan, Part
 
 # --------------------------------------------------------------------- the models
 #: Public config values of the real checkpoints (their Hugging Face config.json).
@@ -344,6 +344,7 @@ def _run_part(name: str, count: int, fn: Callable[[], Any]) -> tuple[Part, Any]:
     for r in rec.records:
         if isinstance(r, KernelRecord):
             part.kernels.append((r.name, r.time_s))
+            part.plans.append(KernelPlan.of(r.report))
         elif r.kind == "d2d":
             part.copies_s += r.time_s
         else:

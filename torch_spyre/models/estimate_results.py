@@ -8,6 +8,31 @@ from typing import Any
 
 
 @dataclass
+class KernelPlan:
+    """One kernel of a part as the planner chose it (``sim.KernelReport``)."""
+
+    name: str
+    time_s: float
+    roofline_s: float
+    bottleneck: str
+    utilisation: float
+    flops: float
+    plan: str
+
+    @staticmethod
+    def of(report) -> KernelPlan:
+        return KernelPlan(
+            report.name,
+            report.time_s,
+            report.roofline_time_s,
+            report.bottleneck,
+            report.utilisation,
+            report.flops,
+            report.plan,
+        )
+
+
+@dataclass
 class Part:
     """One planned piece of a forward and what the card took for it."""
 
@@ -18,6 +43,9 @@ class Part:
     copies_s: float = 0.0  # device copies (re-lays) inside the part
     host_transfers: int = 0  # h2d/d2h transfers inside the part (fallbacks)
     activation_bytes: int = 0  # peak device memory the call allocated
+    #: per kernel (in ``kernels`` order): the planner's choices and what the
+    #: timing model made of them (``--explain``)
+    plans: list[KernelPlan] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -162,6 +190,33 @@ class Estimate:
             decode_tokens_per_s=self.batch / self.decode_s,
         )
         return d
+
+    def explain(self) -> str:
+        """Each part's kernels as planned: modelled time against the kernel's
+        roofline (its FLOP at PE peak or its operands once at peak
+        bandwidth), PE/vector utilisation, what bounds it, and the planner's
+        core grid and tiles (``sim.timing.plan_text``)."""
+        lines = []
+        for phase in ("prefill", "decode"):
+            parts = getattr(self, phase)
+            flops = sum(k.flops * p.count for p in parts for k in p.plans)
+            busy = sum(p.total_s for p in parts)
+            lines += [
+                "",
+                f"  {phase}: {busy * 1e3:.3f} ms; matmul FLOP at "
+                f"{flops / max(busy, 1e-30) / self.peak_flops:.0%} of PE peak over the whole pass",
+                f"    {'kernel':<44} {'us':>9} {'roof us':>9} {'x roof':>6} {'util':>5}"
+                f" {'bound':>8}  plan",
+            ]
+            for p in parts:
+                lines.append(f"  {p.name} (x{p.count})")
+                for k in p.plans:
+                    lines.append(
+                        f"    {k.name[:44]:<44} {k.time_s * 1e6:>9.1f} {k.roofline_s * 1e6:>9.1f}"
+                        f" {k.time_s / max(k.roofline_s, 1e-30):>5.2f}x {k.utilisation:>5.0%}"
+                        f" {k.bottleneck:>8}  {k.plan}"
+                    )
+        return "\n".join(lines)
 
     def format(self) -> str:
         gb = 1e9

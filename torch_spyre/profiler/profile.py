@@ -113,8 +113,10 @@ class Profile:
         ks = [k.time_s for k in self.kernels if card is None or k.card == card]
         return hostpath.timeline(ks, self._host_config(), sync=False)
 
-    def table(self, sort_by: str = "time") -> str:
-        """Kernels grouped by name, then transfers by kind, as a text table."""
+    def table(self, sort_by: str = "time", explain: bool = False) -> str:
+        """Kernels grouped by name, then transfers by kind, as a text table;
+        ``explain``: each kernel's planned core grid and tiles too
+        (``sim.timing.plan_text``)."""
         groups: dict[str, list[KernelEntry]] = {}
         for k in self.kernels:
             groups.setdefault(k.name, []).append(k)
@@ -132,16 +134,19 @@ class Profile:
                     r.utilisation,
                     r.bottleneck,
                     r.attainment,
+                    r.plan,
                 )
             )
         if sort_by == "time":
             rows.sort(key=lambda x: -x[2])
         head = f"{'kernel':<34} {'calls':>5} {'total us':>11} {'avg us':>10} {'cores':>5} {'util':>6} {'bound':>9} {'roofline':>8}"
+        if explain:
+            head += "  plan"
         lines = [head, "-" * len(head)]
-        for name, n, total, avg, cores, util, bound, att in rows:
+        for name, n, total, avg, cores, util, bound, att, plan in rows:
             lines.append(
                 f"{name[:34]:<34} {n:>5} {total * 1e6:>11.2f} {avg * 1e6:>10.2f} {cores:>5} "
-                f"{util:>6.0%} {bound:>9} {att:>8.0%}"
+                f"{util:>6.0%} {bound:>9} {att:>8.0%}" + (f"  {plan}" if explain else "")
             )
         kinds: dict[str, list[TransferRecord]] = {}
         for t in self.transfers:

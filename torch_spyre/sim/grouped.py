@@ -106,4 +106,5 @@ def estimate_grouped(gp: GroupedProgram, config: HardwareConfig | None = None) -
         launch_s=launch,
         dtype=str(mm_dtype).removeprefix("torch."),
         extra={"phases": float(len(reps)), "phase_time_s": float(sum(body))},
+        plan=" | ".join(dict.fromkeys(r.plan for r in reps)),
     )

@@ -71,6 +71,8 @@ class KernelReport:
     launch_s: float
     dtype: str = "float16"
     extra: dict[str, float] = field(default_factory=dict)
+    #: the planner's choices (``plan_text``): core grid, tiles, k split
+    plan: str = ""
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -535,7 +537,31 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         launch_s=cfg.launch_overhead_s,
         dtype=str(mm_dtype).removeprefix("torch."),
         extra={"pipelined": float(st.pipelined), "inner_iterations": float(n_iter_inner or 1)},
+        plan=plan_text(p, st.pipelined),
     )
+
+
+def plan_text(p: Program, pipelined: bool | None = None) -> str:
+    """The planner's choices of ``p`` in one line: each dim as
+    ``name=size``, ``/N`` when split over N cores, ``:T`` when walked in
+    tiles of T on a core; ``k over cores`` when a matmul's contraction is
+    split (a ring all-reduce of the partial sums); ``pipelined`` when the
+    loop body overlaps its transfers with compute (double buffered)."""
+    dims = []
+    for d in p.dims:
+        t = f"{d.name}={d.size}"
+        if d.cores > 1:
+            t += f"/{d.cores}"
+        if d.tile_size < d.core_extent:
+            t += f":{d.tile_size}"
+        dims.append(t)
+    cores = math.prod(d.cores for d in p.dims)
+    out = f"{cores} cores [{' '.join(dims)}]"
+    if any(isinstance(s, RingAllReduce) for s in p.steps):
+        out += ", k over cores"
+    if pipelined:
+        out += ", pipelined"
+    return out
 
 
 @dataclass
