@@ -2,7 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--explain] [--prompt N] [--new-tokens N] [--tp N]
+    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--explain] [--spec METHOD,k,a [--draft D]] [--prompt N] [--new-tokens N] [--tp N]
                    [--dtype fp16|fp8|int8] [--json out.json]
     spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
                    [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
@@ -96,28 +96,55 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         cfg = None
         names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
+    spec = None
+    if args.spec:
+        from torch_spyre.models import spec_estimate
+
+        try:
+            spec = spec_estimate.SpecOptions.parse(args.spec)
+        except ValueError as e:
+            raise SystemExit(f"spyre estimate: {e}") from None
+    if (spec is not None and spec.method == "draft_model") != bool(args.draft):
+        raise SystemExit(
+            "spyre estimate: --draft (a model, a config.json, or layers=N) goes with "
+            "--spec draft_model,k,acceptance, and only with it"
+        )
     if args.serve:
-        return _serve_plan(args, names[0], cfg, weights)
+        return _serve_plan(args, names[0], cfg, weights, spec)
     results = []
     for name in names:
+        common = dict(
+            prompt=args.prompt,
+            new_tokens=args.new_tokens,
+            weights=weights,
+            batch=args.batch,
+            tp=args.tp,
+            token_budget=args.token_budget,
+            spec_tokens=spec.k if spec else 0,
+        )
         try:
-            est = estimate.estimate(
-                name,
-                prompt=args.prompt,
-                new_tokens=args.new_tokens,
-                weights=weights,
-                config=cfg,
-                batch=args.batch,
-                tp=args.tp,
-                token_budget=args.token_budget,
-            )
+            est = estimate.estimate(name, config=cfg, **common)
+            if spec is not None:
+                draft, label = (None, "")
+                if spec.method == "draft_model":
+                    target_cfg = cfg if cfg is not None else estimate.model_config(name)
+                    draft, label = spec_estimate.draft_estimate(
+                        args.draft, name, target_cfg, common
+                    )
+                sp = spec_estimate.plan(est, spec, draft, label)
         except NotImplementedError as e:  # a split or shape the estimator does not model
             raise SystemExit(f"spyre estimate {name}: {e}") from None
+        except ValueError as e:
+            raise SystemExit(f"spyre estimate {name}: {e}") from None
         print(est.format())
+        if spec is not None:
+            print(sp.format())
         if args.explain:
             print(est.explain())
         print()
         results.append(est.to_json())
+        if spec is not None:
+            results[-1]["speculation"] = sp.to_json()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results if len(results) > 1 else results[0], f, indent=1)
@@ -125,7 +152,7 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_plan(args: argparse.Namespace, name: str, cfg, weights) -> int:
+def _serve_plan(args: argparse.Namespace, name: str, cfg, weights, spec=None) -> int:
     import json
 
     from torch_spyre.models import estimate, serve_plan
@@ -139,10 +166,31 @@ def _serve_plan(args: argparse.Namespace, name: str, cfg, weights) -> int:
     common = dict(prompt=args.input_len, new_tokens=args.output_len, weights=weights,
                   config=cfg, tp=args.tp)  # fmt: skip
     print(f"planning {name} at batch 1 and {batch} on {args.tp} card(s) ...", flush=True)
+    common["spec_tokens"] = spec.k if spec is not None else 0
     one = estimate.estimate(name, batch=1, **common)
     many = estimate.estimate(name, batch=batch, **common)
     if not many.fits:
         raise SystemExit(f"{name} at batch {batch}: {many.fit_text()}")
+    draft_s = (0.0, 0.0)
+    if spec is not None and spec.method == "draft_model":
+        from torch_spyre.models import spec_estimate
+
+        drafted = []
+        for b in (1, batch):
+            kw = {**common, "batch": b}
+            kw.pop("config")
+            try:
+                d, label = spec_estimate.draft_estimate(args.draft, name, cfg, kw)
+            except ValueError as e:
+                raise SystemExit(f"spyre estimate {name}: {e}") from None
+            drafted.append(spec_estimate.plan(many if b > 1 else one, spec, d, label).draft_s)
+        draft_s = (drafted[0], drafted[1])
+    if spec is not None:
+        print(
+            f"  speculation: {spec.method}, k={spec.k}, acceptance {spec.acceptance:.2f}"
+            f" per draft token; drafting {draft_s[0] * 1e3:.1f} ms per step at batch 1,"
+            f" {draft_s[1] * 1e3:.1f} ms at batch {batch}"
+        )
     plans = []
     for r in rates:
         shown = [-1]
@@ -165,6 +213,8 @@ def _serve_plan(args: argparse.Namespace, name: str, cfg, weights) -> int:
                 output_len=args.output_len,
                 requests=args.requests,
                 progress=bar,
+                speculation=spec,
+                draft_s=draft_s,
             )  # fmt: skip
         )
         print(plans[-1].format())
@@ -214,6 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument("--prompt", type=int, default=1024, help="prefill tokens per request")
     e.add_argument("--batch", type=int, default=1, help="requests per step (--serve: max seqs)")
+    e.add_argument(
+        "--spec",
+        help="decode with speculation: METHOD,k,acceptance (ngram or draft_model; acceptance"
+        " per draft token, e.g. ngram,3,0.7)",
+    )
+    e.add_argument(
+        "--draft",
+        help="--spec draft_model: the draft (a model, a config.json, or layers=N: the"
+        " target's first N layers)",
+    )
     e.add_argument(
         "--explain",
         action="store_true",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import time
@@ -401,6 +402,7 @@ def estimate(
     batch: int = 1,
     tp: int = 1,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    spec_tokens: int = 0,
 ) -> Estimate:
     """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
     decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
@@ -421,6 +423,10 @@ def estimate(
     longer than the budget is planned whole); ``tp``: cards the
     model is split over as vLLM's parallel layers split it (models/parallel.py;
     the plan is one card's shard plus the collectives).
+    ``spec_tokens``: k > 0 also plans a speculative verification step: every
+    request's k drafts and its last token (k + 1 query positions at position
+    ``prompt``, causal over the cache) in one forward, the LM head on all
+    k + 1 rows (``Estimate.verify``; models/spec_estimate.py).
     """
     import transformers
 
@@ -520,8 +526,8 @@ def estimate(
             tables.extend(cs)
         return h, *tables
 
-    def head_step(h):
-        x = base.norm(h[:, -1:, :])
+    def head_step(h, rows: int = 1):
+        x = base.norm(h[:, -rows:, :])
         # a chunked LM head (patches.ChunkedLinear) returns its chunks' logits
         # unconcatenated: a cat along the stick dim does not plan yet
         # (docs/compiler.md "Lane shuffles"); the cat is a ~vocab x 2 B copy
@@ -563,15 +569,20 @@ def estimate(
     neg = torch.finfo(dtype).min
     kv_bytes = 0
     act = 0
-    prefill_parts: list[Part] = []
-    decode_parts: list[Part] = []
+    phase_parts: dict[str, list[Part]] = {"prefill": [], "decode": [], "verify": []}
+    prefill_parts, decode_parts = phase_parts["prefill"], phase_parts["decode"]
+    if spec_tokens < 0:
+        raise ValueError(f"spec_tokens must be >= 0, got {spec_tokens}")
+    phases = [("prefill", prompt), ("decode", 1)]
+    if spec_tokens:
+        phases.append(("verify", 1 + spec_tokens))
     torch_spyre.reset_fallback_counts()
     dispatch_stats.reset("fallback")
     ctx = timing_only_mode() if timing_only else contextlib.nullcontext()
     dyn_cfg = torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
     with ctx, dyn_cfg:
-        for phase, tokens in (("prefill", prompt), ("decode", 1)):
-            parts = prefill_parts if phase == "prefill" else decode_parts
+        for phase, tokens in phases:
+            parts = phase_parts[phase]
             start = 0 if phase == "prefill" else prompt
             # a batch's prefill runs in steps of the token budget (vLLM packs
             # whole prompts into a step's budget): one step planned, counted
@@ -593,11 +604,18 @@ def estimate(
                 _, n_kv, head_dim = heads_of[kind]
                 keys = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
                 values = torch.empty(pb, n_kv, length, head_dim, dtype=dtype, device=dev)
-                if phase == "decode":
-                    kv_bytes += counts[kind] * 2 * keys.numel() * itemsize
+                if phase != "prefill":
+                    if phase == "decode":
+                        kv_bytes += counts[kind] * 2 * keys.numel() * itemsize
+                    if start + tokens > length and kind != "sliding_attention":
+                        raise NotImplementedError(
+                            f"{tokens} query positions at {start} pass the {length}-position cache"
+                        )
                     slot = pos_h % length
-                    valid = torch.arange(length) <= min(start, length - 1)
-                    m = torch.zeros(1, 1, 1, length, dtype=dtype).masked_fill(~valid, neg)
+                    # query position q attends to the cache up to start + q
+                    last = (start + torch.arange(tokens)).clamp(max=length - 1)
+                    valid = torch.arange(length)[None, :] <= last[:, None]
+                    m = torch.zeros(1, 1, tokens, length, dtype=dtype).masked_fill(~valid, neg)
                     mask: torch.Tensor | None = m.to(dev)
                 else:
                     slot = pos_h % length
@@ -616,7 +634,7 @@ def estimate(
                             f"a {tokens}-token prompt is longer than the {length}-position cache"
                         )
                 slot_d = slot.to(dev)
-                fn = layer_step(base.layers[i], whole=phase == "decode")
+                fn = layer_step(base.layers[i], whole=phase != "prefill")
                 label = f"decoder layer ({kind})"
                 parts.append(
                     _run_part(
@@ -628,7 +646,9 @@ def estimate(
                     )[0]
                 )
                 del keys, values
-            hs = compiled(head_step)
+            # the LM head on the last position; a verification step's on all
+            # k + 1 (each position's logits check the next draft)
+            hs = compiled(functools.partial(head_step, rows=tokens if phase == "verify" else 1))
             parts.append(_run_part("final norm + LM head", reps, lambda f=hs, h=h: f(h))[0])
             coll = parallel.collective_parts(
                 whole_cfg, tp, pb, tokens, itemsize, cfg.num_hidden_layers
@@ -704,6 +724,8 @@ def estimate(
         cache_len=cache_len,
         prefill=prefill_parts,
         decode=decode_parts,
+        verify=phase_parts["verify"],
+        spec_tokens=spec_tokens,
         weights_bytes=weight_bytes,
         extra_weight_bytes=extra,
         kv_cache_bytes=kv_bytes,

@@ -91,6 +91,10 @@ class Estimate:
     #: the budget (vLLM's ``max_num_batched_tokens``)
     prefill_batch: int = 1
     token_budget: int = 2048
+    #: a speculative verification step (k drafts + 1 per request in one
+    #: forward, the LM head on every row), planned when ``spec_tokens`` > 0
+    verify: list[Part] = field(default_factory=list)
+    spec_tokens: int = 0
     #: cards the model is split over (tensor parallel, models/parallel.py);
     #: times, memory and floors above are per card
     tp: int = 1
@@ -117,6 +121,10 @@ class Estimate:
     @property
     def decode_s(self) -> float:
         return sum(p.total_s for p in self.decode)
+
+    @property
+    def verify_s(self) -> float:
+        return sum(p.total_s for p in self.verify)
 
     @property
     def memory_bytes(self) -> int:
@@ -173,12 +181,13 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("prefill", "decode"):
+        for key in ("prefill", "decode", "verify"):
             for part, obj in zip(d[key], getattr(self, key), strict=True):
                 part["total_s"] = obj.total_s
         d.update(
             prefill_s=self.prefill_s,
             decode_s=self.decode_s,
+            verify_s=self.verify_s,
             memory_bytes=self.memory_bytes,
             fits=self.fits,
             decode_floor_s=self.decode_floor_s,

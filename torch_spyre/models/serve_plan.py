@@ -49,10 +49,15 @@ class StepModel:
         return max(pre, base) + self.decode_marginal_s * decodes
 
     @staticmethod
-    def from_estimates(one, many, input_len: int) -> StepModel:
+    def from_estimates(one, many, input_len: int, spec=None) -> StepModel:
+        """``spec``: a decode step is a speculative one, ``(draft seconds at
+        batch 1, at batch B)`` on top of the planned verification steps."""
         b = many.batch
-        m = (many.decode_s - one.decode_s) / (b - 1) if b > 1 else 0.0
-        return StepModel(one.prefill_s / input_len, one.decode_s, max(m, 0.0))
+        d1, db = one.decode_s, many.decode_s
+        if spec is not None:
+            d1, db = one.verify_s + spec[0], many.verify_s + spec[1]
+        m = (db - d1) / (b - 1) if b > 1 else 0.0
+        return StepModel(one.prefill_s / input_len, d1, max(m, 0.0))
 
 
 @dataclass
@@ -115,7 +120,7 @@ class ServePlan:
         )
 
 
-def _vllm_config(cfg, max_num_seqs: int, max_len: int, dtype: torch.dtype):
+def _vllm_config(cfg, max_num_seqs: int, max_len: int, dtype: torch.dtype, spec_k: int = 0):
     from vllm.engine.arg_utils import EngineArgs
 
     folder = tempfile.mkdtemp(prefix="spyre-plan-")
@@ -131,6 +136,12 @@ def _vllm_config(cfg, max_num_seqs: int, max_len: int, dtype: torch.dtype):
         enforce_eager=True,
         # every planned request has its own prompt: no prefix hits
         enable_prefix_caching=False,
+        # speculation: the scheduler schedules each decoding request's k
+        # drafts with its token (only the draft count matters to it; the
+        # drafter's cost is in the step model)
+        speculative_config=(
+            {"method": "ngram", "num_speculative_tokens": spec_k} if spec_k else None
+        ),
     )
     return args.create_engine_config()
 
@@ -147,20 +158,30 @@ def plan(
     seed: int = 0,
     dtype: torch.dtype = torch.float16,
     progress=None,
+    speculation=None,
+    draft_s: tuple[float, float] = (0.0, 0.0),
 ) -> ServePlan:
-    """Run vLLM's scheduler on Poisson arrivals with modelled step times."""
+    """Run vLLM's scheduler on Poisson arrivals with modelled step times.
+
+    ``speculation`` (``spec_estimate.SpecOptions``): decode steps verify k drafts
+    per request (the estimates planned with ``spec_tokens=k``); each draft is
+    accepted with the given probability until the first rejection (seeded),
+    and ``draft_s`` is drafting's card time per step at batch 1 and B."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
     if rate <= 0 or input_len < 1 or output_len < 1 or requests < 1:
         raise ValueError("--rate, --input-len, --output-len and the request count must be > 0")
-    steps_model = StepModel.from_estimates(est_one, est_many, input_len)
+    steps_model = StepModel.from_estimates(
+        est_one, est_many, input_len, spec=draft_s if speculation is not None else None
+    )
     max_seqs = est_many.batch
-    vcfg = _vllm_config(cfg, max_seqs, input_len + output_len, dtype)
+    k = speculation.k if speculation is not None else 0
+    vcfg = _vllm_config(cfg, max_seqs, input_len + output_len, dtype, spec_k=k)
     block = vcfg.cache_config.block_size
     from torch_spyre.models import parallel
 
@@ -239,7 +260,14 @@ def plan(
                 dec += 1
             else:
                 pre += n
-            sampled.append([1] if req.num_computed_tokens >= req.num_prompt_tokens else [])
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                sampled.append([])
+                continue
+            drafts = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+            accepted = 0
+            while accepted < drafts and rng.random() < speculation.acceptance:
+                accepted += 1
+            sampled.append([1] * (accepted + 1))
         clock += steps_model.time(pre, dec)
         result.steps += 1
         mro = ModelRunnerOutput(
@@ -247,19 +275,25 @@ def plan(
             req_id_to_index={r: i for i, r in enumerate(ids)},
             sampled_token_ids=sampled,
         )
-        for rid, tok in zip(ids, sampled):
+        for i, (rid, tok) in enumerate(zip(ids, sampled)):
             if tok:
-                k = produced.get(rid, 0)
-                if k == 0:
+                had = produced.get(rid, 0)
+                if had == 0:
                     first[rid] = clock
                     result.ttft_s.append(clock - arrived[rid])
-                produced[rid] = k + 1
-                if k + 1 == output_len:
+                # the tokens past max_tokens are dropped, as vLLM does
+                tok = sampled[i] = tok[: output_len - had]
+                produced[rid] = had + len(tok)
+                if produced[rid] == output_len:
                     done += 1
                     result.preemptions += sched.requests[rid].num_preemptions
                     if output_len > 1:
                         result.tpot_s.append((clock - first[rid]) / (output_len - 1))
         sched.update_from_output(out, mro)
+        if k:
+            # the drafter's proposals for the next step (placeholder ids)
+            live = [r for r, tok in zip(ids, sampled) if tok and r in sched.requests]
+            sched.update_draft_token_ids(DraftTokenIds(live, [[1] * k for _ in live]))
         if progress is not None:
             progress(done, requests)
     result.duration_s = clock - arrivals[0]

@@ -203,7 +203,7 @@ class _Steps:
                 lay = p.operand(s.operand).layout
                 stick_dim = lay.stick_dim if lay.host_size else -1
                 offsets = getattr(s, "offsets", ()) or (0,) * len(s.index)
-                mc = p.multicast_group(s) if isinstance(s, Load) and s.multicast else None
+                mc = _multicast(p, s) if isinstance(s, Load) and s.multicast else None
                 paged = None
                 if s.rows:
                     table = p.buffer(s.rows).dims
@@ -251,6 +251,27 @@ class _Steps:
 
 def _ceil_by(q: int):
     return lambda x: -(-x // q)
+
+
+def _multicast(p: Program, s: Load) -> tuple[int, int, int]:
+    """(group, stride, active) of a multicast load: the cores sharing its tile
+    and the core-id stride between them (``Program.multicast_group``), and
+    how many of them read it: a core whose range of a group dim the load
+    loops over is empty moves nothing (five rows over four cores: the fourth
+    has none), so the tile is shared by the others only.  Dividing by the
+    whole group would charge a quarter of the weight to no core."""
+    group, stride = p.multicast_group(s)
+    covered = transfer_dims(p, s)
+    active = 1
+    for d in p.grid:
+        if d.name in covered:
+            continue
+        if d.name in s.loops:
+            ce = d.core_extent
+            active *= sum(1 for c in range(d.cores) if d.size - c * ce > 0)
+        else:
+            active *= d.cores
+    return group, stride, max(active, 1)
 
 
 def _transfer(cv: _CoreView, s: Load | Store, info: tuple) -> tuple[float, float]:
@@ -589,12 +610,13 @@ def _step_cost(
         cost = _Cost()
         mc = info[5]
         if mc is not None:
-            # each core of the group reads 1/group, the ring all-gathers the rest
-            group, stride = mc
-            cost.ring_bytes = (group - 1) / group * nbytes
+            # each core of the group that reads reads 1/active, the ring
+            # all-gathers the rest
+            group, stride, active = mc
+            cost.ring_bytes = (active - 1) / active * nbytes
             ring = cost.ring_bytes / (2 * cfg.ring_bytes_per_cycle) * stride
             cost.cycles["ring"] = ring + n * (group // 2) * stride * cfg.ring_hop_cycles
-            nbytes /= group
+            nbytes /= active
         cost.setup = n * cfg.dma_setup_cycles
         cost.cycles["dma"] = cost.setup + nbytes * cycles_per_byte
         cost.dram_bytes = nbytes
@@ -724,7 +746,7 @@ def _dram_bytes(p: Program, cv: _CoreView, st: _Steps, moved: list) -> float:
             nbytes = moved[i][1] * _causal_fraction(cv, s.loops, st.causal)
             mc = st.info[i][5]
             if mc is not None:
-                nbytes /= mc[0]
+                nbytes /= mc[2]
             total += nbytes
     return total
 
