@@ -41,7 +41,8 @@ def _config() -> transformers.DeepseekV3Config:
 
 def _serve(tmp_path, hf_greedy, lengths, max_tokens, check=None, **llm_kwargs) -> None:
     """Prompts of ``lengths`` tokens submitted together, ``max_tokens`` greedy
-    tokens each: equal to transformers on the CPU, no host fallback."""
+    tokens each, then one that hits the prefix cache: equal to transformers on
+    the CPU, no host fallback."""
     from vllm import LLM, SamplingParams
 
     torch.manual_seed(0)
@@ -65,6 +66,17 @@ def _serve(tmp_path, hf_greedy, lengths, max_tokens, check=None, **llm_kwargs) -
             assert list(o.outputs[0].token_ids) == hf_greedy(ref, p, max_tokens), p
         if check is not None:
             check(llm)
+        # a prompt that shares the longest one's first block (16 tokens): a
+        # prefix-cache hit, prefilled over the cached latent rows
+        again = [*prompts[-1][:20], 1, 2, 3, 4, 5]
+        (o,) = llm.generate(
+            [{"prompt_token_ids": again}],
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
+        assert o.num_cached_tokens == 16, o.num_cached_tokens
+        assert list(o.outputs[0].token_ids) == hf_greedy(ref, again, 4)
+        assert torch_spyre.fallback_counts() == {}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -93,6 +105,9 @@ def _latent_cache(llm) -> None:
         # bytes per token and layer: the latent row, 64 x 4 B = 256 B; the expanded
         # form would hold 4 heads x (64 + 32) = 384 values, 1536 B (6x)
         assert kv.numel() * kv.element_size() // (blocks * block_size) == latent * 4
+        # 4 MiB of cache: 512 B per token over both layers, 8192 tokens (the
+        # expanded form's 4096 B: 1024, test_mla_disable_serves_expanded)
+        assert blocks * block_size == (4 << 20) // 512 == 8192
     per_token = sum(kv.numel() * kv.element_size() // kv.shape[0] // kv.shape[2] for kv in caches)
     assert per_token == latent * 4 * LAYERS == 512
     expanded = HEADS * (NOPE + ROPE + V_DIM) * 4 * LAYERS
@@ -156,8 +171,11 @@ def test_mla_disable_serves_expanded(tmp_path, hf_greedy, monkeypatch):
         caches = list(_runner(llm).kv_caches)
         # [k/v, block, token, kv_head, head]: V padded to the QK head size
         assert caches[0].dim() == 5 and tuple(caches[0].shape[-2:]) == (HEADS, NOPE + ROPE)
+        _, blocks, block_size, _, _ = caches[0].shape
+        # 2 x 4 heads x 64 x 4 B = 2048 B per token and layer: 1024 tokens in 4 MiB
+        assert blocks * block_size == (4 << 20) // (2 * 2048) == 1024
 
-    _serve(tmp_path, hf_greedy, (5, 12), 6, check=expanded, enforce_eager=True)
+    _serve(tmp_path, hf_greedy, (5, 23), 6, check=expanded, enforce_eager=True)
 
 
 def test_platform_picks_the_latent_backend() -> None:
@@ -167,13 +185,13 @@ def test_platform_picks_the_latent_backend() -> None:
 
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
-    from torch_spyre.vllm_plugin import mla, register
+    from torch_spyre.vllm_plugin import PLATFORM_QUALNAME, mla, register
     from torch_spyre.vllm_plugin.platform import SpyrePlatform
 
     before = os.environ.pop("VLLM_MLA_DISABLE", None)
     try:
-        register()
-        assert "VLLM_MLA_DISABLE" not in os.environ
+        assert register() == PLATFORM_QUALNAME  # IBM's plugin is not installed here
+        assert "VLLM_MLA_DISABLE" not in os.environ  # was set to 1 before the latent cache
     finally:
         if before is not None:
             os.environ["VLLM_MLA_DISABLE"] = before
