@@ -122,8 +122,9 @@ def build_groups(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     block_size: int,
-) -> tuple[int, int, list[dict]]:
-    """Host index tensors of one step: (num_decodes, num_decode_tokens, groups).
+) -> tuple[int, list[dict]]:
+    """Host index tensors of one step: (num_decodes, groups).  A decode is a
+    request of one query token (so ``num_decode_tokens == num_decodes``).
 
     The groups of attention.py's ``build_indices`` (decodes, then the other
     requests), with token rows counted from each group's first token, as
@@ -157,7 +158,7 @@ def build_groups(
         )
         token0 += tokens
         row0 += r * q
-    return num_decodes, num_decodes, out
+    return num_decodes, out
 
 
 class SpyreMLAMetadataBuilder(AttentionMetadataBuilder[SpyreMLAMetadata]):
@@ -182,7 +183,7 @@ class SpyreMLAMetadataBuilder(AttentionMetadataBuilder[SpyreMLAMetadata]):
     ) -> SpyreMLAMetadata:
         m = common_attn_metadata
         n = m.num_actual_tokens
-        num_decodes, num_decode_tokens, groups = build_groups(
+        num_decodes, groups = build_groups(
             m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor.cpu(), self.block_size
         )
         card = [LatentGroup(**{k: _to_card(v) for k, v in g.items()}) for g in groups]
@@ -190,7 +191,7 @@ class SpyreMLAMetadataBuilder(AttentionMetadataBuilder[SpyreMLAMetadata]):
         return SpyreMLAMetadata(
             num_actual_tokens=n,
             num_decodes=num_decodes,
-            num_decode_tokens=num_decode_tokens,
+            num_decode_tokens=num_decodes,  # one token each
             num_prefills=m.num_reqs - num_decodes,
             slots=m.slot_mapping[:n].to(torch.int64).to(SPYRE),
             decode=decode,
@@ -316,6 +317,7 @@ class SpyreMLAImpl(MLAAttentionImpl[SpyreMLAMetadata]):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         r, h, d = g.num_reqs, self.num_heads, self.head_size
+        assert q.shape[0] == r  # token i is decode request i (decodes first)
         latent = self._latent(kv_c_and_k_pe_cache, g).view(r, 1, g.max_seq_len, d)
         # one key head; its values are the same rows: lanes [0, kv_lora_rank) of
         # the output are softmax(q K^T) kv_c (the rope lanes are dropped)
