@@ -229,3 +229,94 @@ def test_groups_index_each_paths_slice() -> None:
     assert mask[0, 0, :7].tolist() == [True] * 5 + [False] * 2
     with pytest.raises(RuntimeError, match="decodes first"):
         build_groups(torch.tensor([0, 3, 4]), torch.tensor([3, 5]), table[:2], 16)
+
+
+class _UpProj(torch.nn.Module):
+    """``kv_b_proj`` as vLLM's linear layers are called: ``(x @ W^T, bias)``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def test_impl_absorbed_decode_and_prefill_equal_expanded() -> None:
+    """The card side of the backend on spyre tensors against the expanded form
+    on the CPU: a decode (20 positions of context, across a block boundary)
+    in the absorbed form (``q_nope`` through W_UK, attention over latent rows,
+    out through W_UV, as vLLM's forward_impl chains them) and a prefill of 5
+    tokens after 3 cached ones (up-projected from the latent)."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.v1.attention.backend import AttentionType
+
+    from torch_spyre.vllm_plugin.mla import SpyreMLAImpl, build_metadata
+
+    g = torch.Generator().manual_seed(0)
+    block, latent, qk = 16, KV_LORA + ROPE, NOPE + ROPE
+    w = torch.randn(HEADS * (NOPE + V_DIM), KV_LORA, generator=g) * 0.2
+    impl = SpyreMLAImpl(
+        num_heads=HEADS, head_size=latent, scale=qk**-0.5, num_kv_heads=1, alibi_slopes=None,
+        sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+        attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, q_lora_rank=None,
+        kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, qk_head_dim=qk,
+        v_head_dim=V_DIM, kv_b_proj=_UpProj(w.to("spyre")),
+    )  # fmt: skip
+    # request 0: a decode at position 19; request 1: 5 new tokens after 3 cached
+    seq = torch.tensor([20, 8])
+    table = torch.tensor([[3, 0], [1, 2]])
+    rows = [torch.randn(int(n), latent, generator=g) for n in seq]
+    cache = torch.zeros(4, 1, block, latent)
+    slot_of = [[int(table[r, p // block]) * block + p % block for p in range(int(n))] for r, n in enumerate(seq)]  # fmt: skip
+    for r in range(2):
+        cache.view(-1, latent)[slot_of[r]] = rows[r]
+    step_slots = torch.tensor([slot_of[0][19], *slot_of[1][3:]])
+    meta = build_metadata(torch.tensor([0, 1, 6]), seq, table, step_slots, block)
+    assert (meta.num_decodes, meta.num_prefills, meta.num_actual_tokens) == (1, 1, 6)
+    kv_cache = cache.to("spyre").squeeze(1)
+
+    w_uk, w_uv = w.view(HEADS, NOPE + V_DIM, KV_LORA).split([NOPE, V_DIM], dim=1)
+
+    def expanded(r: int, q: torch.Tensor) -> torch.Tensor:
+        """Reference: per-head keys and values up-projected, causal after the context."""
+        kv_c, k_pe = rows[r][:, :KV_LORA], rows[r][:, KV_LORA:]
+        k = torch.cat([torch.einsum("sl,hnl->hsn", kv_c, w_uk), k_pe.expand(HEADS, -1, -1)], -1)
+        v = torch.einsum("sl,hvl->hsv", kv_c, w_uv)
+        t, s = q.shape[0], kv_c.shape[0]
+        mask = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k, v, attn_mask=mask, scale=qk**-0.5
+        )
+        return o.transpose(0, 1)  # [T, H, V]
+
+    q_dec = torch.randn(1, HEADS, qk, generator=g)
+    q_pre = torch.randn(5, HEADS, qk, generator=g)
+    torch_spyre.reset_fallback_counts()
+    # decode: what forward_impl does around forward_mqa (W_UK_T [H, nope, L], W_UV [H, L, V])
+    q_nope, q_pe = q_dec.to("spyre").split([NOPE, ROPE], dim=-1)
+    ql_nope = torch.bmm(q_nope.transpose(0, 1), w_uk.to("spyre")).transpose(0, 1)
+    o_lat, lse = impl.forward_mqa((ql_nope, q_pe), kv_cache, meta, None)
+    assert lse is None and tuple(o_lat.shape) == (1, HEADS, KV_LORA)
+    o_dec = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2).to("spyre")).transpose(0, 1)
+    # prefill
+    out = torch.zeros(5, HEADS * V_DIM).to("spyre")
+    impl.forward_mha(q_pre.to("spyre"), None, None, kv_cache, meta, None, out)
+    assert torch_spyre.fallback_counts() == {}
+    torch.testing.assert_close(o_dec.cpu(), expanded(0, q_dec), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        out.cpu().view(5, HEADS, V_DIM), expanded(1, q_pre), rtol=1e-4, atol=1e-5
+    )
+    # the step's rows into their slots
+    kv_c_new = torch.randn(6, KV_LORA, generator=g)
+    k_pe_new = torch.randn(6, 1, ROPE, generator=g)
+    # the metadata from vLLM's forward context, as a step holds it (one per layer)
+    step = ForwardContext(
+        no_compile_layers={}, attn_metadata={"a": meta, "b": meta}, slot_mapping={}
+    )
+    with override_forward_context(step):
+        impl.do_kv_cache_update(
+            kv_c_new.to("spyre"), k_pe_new.to("spyre"), kv_cache, None, "auto", None
+        )
+    written = kv_cache.cpu().reshape(-1, latent)[step_slots]
+    assert torch.equal(written, torch.cat([kv_c_new, k_pe_new[:, 0]], dim=-1))

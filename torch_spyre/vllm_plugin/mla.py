@@ -182,21 +182,36 @@ class SpyreMLAMetadataBuilder(AttentionMetadataBuilder[SpyreMLAMetadata]):
         fast_build: bool = False,
     ) -> SpyreMLAMetadata:
         m = common_attn_metadata
-        n = m.num_actual_tokens
-        num_decodes, groups = build_groups(
-            m.query_start_loc_cpu, m.seq_lens.cpu(), m.block_table_tensor.cpu(), self.block_size
+        return build_metadata(
+            m.query_start_loc_cpu,
+            m.seq_lens.cpu(),
+            m.block_table_tensor.cpu(),
+            m.slot_mapping[: m.num_actual_tokens].cpu(),
+            self.block_size,
         )
-        card = [LatentGroup(**{k: _to_card(v) for k, v in g.items()}) for g in groups]
-        decode = card.pop(0) if num_decodes else None
-        return SpyreMLAMetadata(
-            num_actual_tokens=n,
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,  # one token each
-            num_prefills=m.num_reqs - num_decodes,
-            slots=m.slot_mapping[:n].to(torch.int64).to(SPYRE),
-            decode=decode,
-            prefill=card.pop(0) if card else None,
-        )
+
+
+def build_metadata(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+) -> SpyreMLAMetadata:
+    """One step's metadata from vLLM's host tensors (``slots``: the cache slot
+    of each of the step's tokens); the index tensors moved to the card once."""
+    num_decodes, groups = build_groups(query_start_loc, seq_lens, block_table, block_size)
+    card = [LatentGroup(**{k: _to_card(v) for k, v in g.items()}) for g in groups]
+    decode = card.pop(0) if num_decodes else None
+    return SpyreMLAMetadata(
+        num_actual_tokens=slots.shape[0],
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,  # one token each
+        num_prefills=seq_lens.shape[0] - num_decodes,
+        slots=slots.to(torch.int64).to(SPYRE),
+        decode=decode,
+        prefill=card.pop(0) if card else None,
+    )
 
 
 def _to_card(v: object) -> object:
