@@ -283,7 +283,8 @@ class SpyreModelRunner(CPUModelRunner):
         first = next(iter(kv_caches.values()), None)
         logger.info(
             "spyre: paged KV cache in device memory: %d layers x %d blocks of %s tokens; "
-            "per layer %s = [k/v, block, token, kv_head, head_dim]; %d Mamba layers' state "
+            "per layer %s = [k/v, block, token, kv_head, head_dim] (latent attention: "
+            "[block, 1, token, latent]); %d Mamba layers' state "
             "%s = [block, ...]; %.1f MiB in all",
             len(kv_caches),
             num_blocks,
