@@ -35,7 +35,7 @@ expanded form through attention.py instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -230,7 +230,7 @@ def step_metadata() -> SpyreMLAMetadata:
     return next(iter(found.values()))
 
 
-def _values(meta: object) -> list:
+def _values(meta: object) -> list[object]:
     if isinstance(meta, dict):
         return list(meta.values())
     if isinstance(meta, list):
@@ -398,10 +398,10 @@ class SpyreMLAPrefillBackend(MLAPrefillBackend):
     def get_name() -> str:
         return "SPYRE_MLA_PREFILL"
 
-    def run_prefill_new_tokens(self, *args: object, **kwargs: object):
+    def run_prefill_new_tokens(self, *args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(_NOT_CALLED)
 
-    def run_prefill_context_chunk(self, *args: object, **kwargs: object):
+    def run_prefill_context_chunk(self, *args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(_NOT_CALLED)
 
 
