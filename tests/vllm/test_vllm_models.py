@@ -3,7 +3,7 @@
 experts (mixtral, qwen3_moe: vLLM's FusedMoE on the card), the Granite 4
 hybrid (granitemoehybrid: Mamba-2 + attention + MoE, vLLM's hybrid KV cache
 with the Mamba state on the card: vllm_plugin/mamba.py) and DeepSeek-V3
-(shared expert, latent attention expanded, interleaved rotary), compiled
+(shared expert, latent attention from the latent cache, interleaved rotary), compiled
 (DeepSeek-V3 eager too), with greedy tokens equal to transformers on the CPU.
 
 fp32 on the card: these are tiny random models whose greedy choices are close
@@ -78,14 +78,15 @@ CONFIGS = {
 
 #: DeepSeek-V3 (MoE with a shared expert, sigmoid router with the correction
 #: bias: the real checkpoint's topk_method / scoring_func), its latent
-#: attention in the expanded multi-head form (the plugin sets
-#: VLLM_MLA_DISABLE: no MLA kernels on the card), its interleaved (GPT-J)
-#: rotary as a signed-permutation matmul (vllm_plugin/layers.py).
+#: attention served from the latent cache (vllm_plugin/mla.py; the expanded
+#: form with VLLM_MLA_DISABLE=1: test_vllm_mla.py), its interleaved (GPT-J)
+#: rotary as a signed-permutation matmul (vllm_plugin/layers.py).  q_lora_rank
+#: 64: the fused [q_c | kv_c | k_pe] projection splits at whole fp32 sticks.
 def _deepseek_v3() -> transformers.PretrainedConfig:
     cfg = transformers.DeepseekV3Config(
         **{**COMMON, "head_dim": None, "num_key_value_heads": 4},
         moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=64,
         qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
     )  # fmt: skip
     cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"

@@ -63,12 +63,9 @@ def register() -> str | None:
             IBM_PLUGIN,
         )
         return None
-    # The card has no latent-attention (MLA) kernels: DeepSeek-V2/V3 then run
-    # their attention in its expanded multi-head form over the paged cache
-    # (vLLM's own switch, read when the model config is built; a user's
-    # setting wins).  The cost: per-head keys and values in the cache instead
-    # of the compressed latent.
-    os.environ.setdefault("VLLM_MLA_DISABLE", "1")
+    # DeepSeek-V2/V3 latent attention (MLA) is served from the latent cache
+    # (vllm_plugin/mla.py); vLLM's own VLLM_MLA_DISABLE=1 picks the expanded
+    # multi-head form over the paged cache instead (attention.py).
     return PLATFORM_QUALNAME
 
 

@@ -223,7 +223,12 @@ class CompiledHead:
 
 def _is_attention(node: torch.fx.Node) -> bool:
     """vLLM's attention ops, where a forward is cut into pieces."""
-    ops = (torch.ops.vllm.unified_attention_with_output, torch.ops.vllm.unified_kv_cache_update)
+    ops = (
+        torch.ops.vllm.unified_attention_with_output,
+        torch.ops.vllm.unified_kv_cache_update,
+        torch.ops.vllm.unified_mla_attention_with_output,  # latent attention (mla.py)
+        torch.ops.vllm.unified_mla_kv_cache_update,
+    )
     return node.target in ops or node.target in tuple(op.default for op in ops)
 
 
@@ -292,6 +297,7 @@ def register_spyre_attention_ops() -> None:
     if _LIB is not None:
         return
     from vllm.model_executor.layers.attention import attention as vllm_attention
+    from vllm.model_executor.layers.attention import mla_attention
     from vllm.model_executor.layers.fused_moe.runner import moe_runner
 
     lib = torch.library.Library("vllm", "IMPL")  # vLLM's own ops: one more kernel
@@ -299,6 +305,14 @@ def register_spyre_attention_ops() -> None:
     lib.impl(
         "unified_attention_with_output",
         vllm_attention.unified_attention_with_output,
+        "PrivateUse1",
+    )
+    lib.impl(
+        "unified_mla_kv_cache_update", mla_attention.unified_mla_kv_cache_update, "PrivateUse1"
+    )
+    lib.impl(
+        "unified_mla_attention_with_output",
+        mla_attention.unified_mla_attention_with_output,
         "PrivateUse1",
     )
     lib.impl("moe_forward", moe_runner._moe_forward, "PrivateUse1")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec, MLAAttentionSpec
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
@@ -234,6 +234,7 @@ class SpyreModelRunner(CPUModelRunner):
         of every group index their own tensors instead."""
         from torch_spyre.vllm_plugin import mamba
         from torch_spyre.vllm_plugin.attention import SpyreAttentionBackend
+        from torch_spyre.vllm_plugin.mla import SpyreMLABackend
 
         before = torch.spyre.memory_allocated()
         kv_caches: dict[str, torch.Tensor] = {}
@@ -257,7 +258,11 @@ class SpyreModelRunner(CPUModelRunner):
                     f"{spec.block_size}"
                 )
             block_size = spec.block_size
-            shape = SpyreAttentionBackend.get_kv_cache_shape(
+            # latent attention (MLA): one [kv_c | k_pe] row per token (mla.py)
+            backend = (
+                SpyreMLABackend if isinstance(spec, MLAAttentionSpec) else SpyreAttentionBackend
+            )
+            shape = backend.get_kv_cache_shape(
                 num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
             )
             for name in group.layer_names:
@@ -278,7 +283,8 @@ class SpyreModelRunner(CPUModelRunner):
         first = next(iter(kv_caches.values()), None)
         logger.info(
             "spyre: paged KV cache in device memory: %d layers x %d blocks of %s tokens; "
-            "per layer %s = [k/v, block, token, kv_head, head_dim]; %d Mamba layers' state "
+            "per layer %s = [k/v, block, token, kv_head, head_dim] (latent attention: "
+            "[block, 1, token, latent]); %d Mamba layers' state "
             "%s = [block, ...]; %.1f MiB in all",
             len(kv_caches),
             num_blocks,
@@ -291,7 +297,8 @@ class SpyreModelRunner(CPUModelRunner):
         return kv_caches
 
     def _zero_block_ids(self, block_ids: list[int]) -> None:
-        # Layout [2, num_blocks, ...]: the block is dim 1 (CPUModelRunner assumes 0).
+        # Layout [2, num_blocks, ...]: the block is dim 1 (CPUModelRunner assumes 0);
+        # the latent (MLA) cache [num_blocks, 1, block_size, latent]: dim 0.
         # Mamba states need no zeroing: a new request starts from zeros (mamba.py).
         if not block_ids:
             return
@@ -301,7 +308,7 @@ class SpyreModelRunner(CPUModelRunner):
             if kv.data_ptr() in seen:
                 continue
             seen.add(kv.data_ptr())
-            kv.index_fill_(1, idx, 0)
+            kv.index_fill_(1 if kv.dim() == 5 else 0, idx, 0)
 
     # -- speculative decoding ----------------------------------------------------
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any):

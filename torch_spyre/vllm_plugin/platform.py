@@ -87,10 +87,13 @@ class SpyrePlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        if getattr(attn_selector_config, "use_mla", False):
-            raise NotImplementedError("MLA attention is not supported on spyre")
         if getattr(attn_selector_config, "use_sparse", False):
             raise NotImplementedError("sparse attention is not supported on spyre")
+        if getattr(attn_selector_config, "use_mla", False):
+            # latent attention from the latent cache (VLLM_MLA_DISABLE=1: expanded)
+            from torch_spyre.vllm_plugin.mla import BACKEND_QUALNAME
+
+            return BACKEND_QUALNAME
         from torch_spyre.vllm_plugin.attention import register_backend
 
         if selected_backend is not None and selected_backend.name != "CUSTOM":
@@ -98,6 +101,13 @@ class SpyrePlatform(Platform):
                 "spyre: ignoring attention backend %s, using spyre attention", selected_backend
             )
         return register_backend()
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        # MLA prefill runs in the spyre MLA impl (mla.py), not a GPU prefill kernel
+        from torch_spyre.vllm_plugin.mla import SpyreMLAPrefillBackend
+
+        return SpyreMLAPrefillBackend
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -173,8 +183,6 @@ class SpyrePlatform(Platform):
             if isinstance(extra, dict):
                 extra.setdefault("spyre_eager", bool(model.enforce_eager))
             model.enforce_eager = True
-            if model.use_mla:
-                raise NotImplementedError("MLA models are not supported on spyre")
 
         vllm_config.scheduler_config.async_scheduling = False
         if vllm_config.lora_config is not None:
