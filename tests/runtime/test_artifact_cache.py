@@ -247,3 +247,16 @@ def test_spyre_cache_info_and_clear(cache_dir, capsys):
     assert "freed" in capsys.readouterr().out
     assert ac.usage(cache_dir)["files"] == 0
     assert ac.load("unit", ac.key_of("unit", 1)) is None
+
+
+def test_an_unwritable_cache_dir_warns_once_and_compiles_on(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with settings.override(cache_dir=str(blocker / "cache")):
+        calls: list[int] = []
+        with pytest.warns(ac.CacheWarning, match="cannot write"):
+            assert _fresh_get(calls) == {"plan": [1, 2, 3]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once per directory
+            assert _fresh_get(calls) == {"plan": [1, 2, 3]}
+        assert len(calls) == 2  # computed each time, nothing stored

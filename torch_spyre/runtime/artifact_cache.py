@@ -59,8 +59,10 @@ FORMAT = 1
 OWN = "spyre"
 #: Inductor's and AOTAutograd's caches, under the cache directory
 INDUCTOR = "inductor"
-#: subdirectories whose files are whole cache entries (evictable one by one)
-_EVICTABLE = (OWN, f"{INDUCTOR}/fxgraph", f"{INDUCTOR}/aotautograd")
+#: subdirectories whose files may be evicted one by one: our entries, and
+#: Inductor's (FX graph and AOTAutograd entries, and the generated code they
+#: write again on a hit); lock files are kept
+_EVICTABLE = (OWN, INDUCTOR)
 #: a file newer than this is never evicted (a writer may still be using it)
 _GRACE_S = 2.0
 
@@ -198,7 +200,7 @@ def load(namespace: str, key: str) -> Any | None:
     path = _entry_path(base, namespace, key)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         stats.misses += 1
         return None
     except OSError as e:
@@ -238,10 +240,29 @@ def store(namespace: str, key: str, value: Any) -> bool:
     }
     data = MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
     path = _entry_path(base, namespace, key)
-    _write_atomic(path, data)
+    try:
+        _write_atomic(path, data)
+    except OSError as e:  # a full disk, a read-only directory: compile on, uncached
+        _warn_unwritable(base, e)
+        return False
     stats.writes += 1
     _account(base, len(data))
     return True
+
+
+_unwritable_warned: set[pathlib.Path] = set()
+
+
+def _warn_unwritable(base: pathlib.Path, err: OSError) -> None:
+    if base in _unwritable_warned:
+        return
+    _unwritable_warned.add(base)
+    warnings.warn(
+        f"torch_spyre artifact cache: cannot write to {base} ({err}); compiling without "
+        "storing (set TORCH_SPYRE_CACHE_DIR to a writable directory, or `off`)",
+        CacheWarning,
+        stacklevel=3,
+    )
 
 
 def _write_atomic(path: pathlib.Path, data: bytes) -> None:
@@ -291,8 +312,10 @@ def _reject(path: pathlib.Path, why: str) -> None:
         CacheWarning,
         stacklevel=3,
     )
-    with _ignore_missing():
+    try:
         path.unlink()
+    except OSError:  # gone already, or not a file: the next write replaces it
+        pass
 
 
 class _ignore_missing:
