@@ -21,6 +21,12 @@ def _autoload() -> None:
 
 import torch  # noqa: E402, F401
 
+from torch_spyre.runtime import artifact_cache as _artifact_cache  # noqa: E402
+
+# Inductor's and AOTAutograd's caches in TORCH_SPYRE_CACHE_DIR (unless the
+# user placed them with TORCHINDUCTOR_CACHE_DIR): before anything compiles
+_artifact_cache.adopt_torch_caches()
+
 from torch_spyre.runtime import registration as _registration  # noqa: E402
 
 _registration.register()

@@ -7,6 +7,8 @@
     spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
                    [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
 
+    spyre cache --info | --clear
+
 ``validate`` exits 1 when a validation threshold is missed.
 """
 
@@ -228,6 +230,43 @@ def _serve_plan(args: argparse.Namespace, name: str, cfg, weights, spec=None) ->
     return 0
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from torch_spyre.runtime import artifact_cache
+
+    base = artifact_cache.root()
+    if base is None:
+        print("the artifact cache is off (TORCH_SPYRE_CACHE_DIR=off)")
+        return 0
+    if args.clear:
+        freed = artifact_cache.clear(base)
+        print(f"cleared {base}: {_size(freed)} freed")
+        return 0
+    from torch_spyre import settings
+
+    info = artifact_cache.usage(base)
+    cap = settings.get().cache_size
+    print(f"artifact cache: {base}")
+    print(
+        f"  {_size(info['bytes'])} in {info['files']} files "
+        f"(cap {_size(cap)}, TORCH_SPYRE_CACHE_SIZE)"
+    )
+    print(f"  code version {artifact_cache.code_version()}")
+    for part, n in sorted(info["parts"].items()):
+        print(f"  {part:28} {_size(n['bytes']):>12} {n['files']:7} files")
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor and os.path.abspath(inductor) != str(base / artifact_cache.INDUCTOR):
+        print(f"  Inductor's cache is elsewhere (TORCHINDUCTOR_CACHE_DIR={inductor})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models ship offline (shared/models.md)
     parser = argparse.ArgumentParser(prog="spyre", description="torch-spyre tools")
@@ -305,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     e.add_argument("--json", default=None, help="write the estimate(s) as JSON here")
     e.set_defaults(func=_estimate)
+    c = sub.add_parser(
+        "cache", help="the persistent compiled-artifact cache (TORCH_SPYRE_CACHE_DIR)"
+    )
+    what = c.add_mutually_exclusive_group(required=True)
+    what.add_argument("--info", action="store_true", help="where it is, its size and parts")
+    what.add_argument("--clear", action="store_true", help="empty it (ours and Inductor's)")
+    c.set_defaults(func=_cache)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' deprecation chatter

@@ -81,6 +81,24 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
+               "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+               "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
+
+
+def _bytes(name: str, raw: str) -> int:
+    text = raw.strip().lower().replace(" ", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num) :]
+    try:
+        v = float(num) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise SettingsError(f"{name} must be a size such as 2GiB or 500MB, got {raw!r}") from None
+    if v < 1:
+        raise SettingsError(f"{name} must be at least one byte, got {raw!r}")
+    return int(v)
+
+
 def _buckets(name: str, raw: str) -> tuple[int, ...]:
     try:
         sizes = sorted({int(s) for s in raw.replace(" ", "").split(",") if s})
@@ -141,6 +159,14 @@ VARIABLES: tuple[Var, ...] = (
         "print every compiled kernel program and its LX use", "0"),
     Var("TORCH_SPYRE_CCL_TIMEOUT_S", "ccl_timeout_s", _seconds,
         "seconds a spyreccl collective waits for its peers", "the group's timeout"),
+    Var("TORCH_SPYRE_CACHE_DIR", "cache_dir", _text,
+        "the persistent compiled-artifact cache: kernel searches, and Inductor's and "
+        "AOTAutograd's caches (`<dir>/inductor` unless `TORCHINDUCTOR_CACHE_DIR` is set); "
+        "`off`: none of ours, Inductor's where it was (docs/compiler.md, \"The artifact cache\")",
+        "`~/.cache/torch_spyre/compiled`"),
+    Var("TORCH_SPYRE_CACHE_SIZE", "cache_size", _bytes,
+        "size cap of `TORCH_SPYRE_CACHE_DIR`: past it the least recently used entries "
+        "are evicted (`spyre cache --info`)", "10 GiB"),
     Var("TORCH_SPYRE_MODEL_CACHE", "model_cache", _text,
         "where offline models are converted and cached", "`~/.cache/torch_spyre/models`"),
     Var("TORCH_SPYRE_VLLM", "vllm", _flag,
@@ -184,6 +210,8 @@ class Settings:
     compile_fallback: str = "warn"
     debug: bool = False
     ccl_timeout_s: float | None = None
+    cache_dir: str | None = None
+    cache_size: int = 10 << 30
     model_cache: str | None = None
     vllm: bool = True
     #: None: the default (on for generative models, off for pooling models)

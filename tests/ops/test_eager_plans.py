@@ -82,8 +82,17 @@ ONCE = {
 }
 
 
+@pytest.fixture
+def empty_artifact_cache(tmp_path):
+    """A search another process persisted (TORCH_SPYRE_CACHE_DIR) is no search."""
+    from torch_spyre import settings
+
+    with settings.override(cache_dir=str(tmp_path)):
+        yield
+
+
 @pytest.mark.parametrize("name", sorted(ONCE))
-def test_planned_once_per_shape(monkeypatch, name):
+def test_planned_once_per_shape(monkeypatch, empty_artifact_cache, name):
     calls = []
     search = eager_plans._plan_dims
     monkeypatch.setattr(

@@ -18,34 +18,19 @@ torch_spyre is never replayed.  See docs/compiler.md.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.abc
-import pathlib
 import sys
 
 _registered = False
 
 
-@functools.cache
 def backend_version() -> str:
-    """torch_spyre's version plus a hash of the sources that shape compiled code.
+    """torch_spyre's version plus a hash of the sources that shape compiled code
+    (one definition: ``runtime.artifact_cache.code_version``, which keys the
+    persistent cache too)."""
+    from torch_spyre.runtime.artifact_cache import code_version
 
-    Computed once per process: the key must describe the code this process
-    loaded, not files edited on disk since (a cache entry keyed by new
-    sources but compiled by old code would be loaded by every later run)."""
-    from torch_spyre import _version
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(_version.__version__.encode())
-    for sub in ("compiler", "kernels", "ir", "sim", "runtime", "ops"):
-        for p in sorted((root / sub).rglob("*.py")):
-            h.update(p.relative_to(root).as_posix().encode())
-            h.update(p.read_bytes())
-    for name in ("layout.py", "hardware.py", "settings.py"):
-        if (root / name).exists():
-            h.update((root / name).read_bytes())
-    return f"{_version.__version__}+{h.hexdigest()[:16]}"
+    return code_version()
 
 
 def register_interface() -> None:

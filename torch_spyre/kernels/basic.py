@@ -29,6 +29,7 @@ from torch_spyre.ir import (
 # flash attention lives in kernels/flash.py, the SwiGLU MLP in kernels/swiglu.py;
 # re-exported where the builders always were
 from torch_spyre.kernels.flash import best_flash_attention, flash_attention  # noqa: F401
+from torch_spyre.kernels.search import persisted
 from torch_spyre.kernels.swiglu import best_swiglu_mlp, swiglu_mlp  # noqa: F401
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
@@ -516,6 +517,7 @@ def gemv(
     )
 
 
+@persisted("matmul")
 def best_matmul(
     m: int,
     n: int,

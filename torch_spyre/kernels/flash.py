@@ -29,6 +29,7 @@ from torch_spyre.ir import (
     Store,
     Vector,
 )
+from torch_spyre.kernels.search import persisted
 from torch_spyre.layout import SpyreTensorLayout, ceil_div
 
 
@@ -326,6 +327,7 @@ def flash_attention(
     )
 
 
+@persisted("flash")
 def best_flash_attention(
     b: int,
     hq: int,

@@ -198,7 +198,7 @@ def _prologue_first(steps, mm, kd: set[str], buffers):
 
 #: plans by kernel structure: a model's layers repeat the same kernels, and
 #: the cost-model search over splits and tiles is the bulk of compile time
-_PLANS = Memo()
+_PLANS = Memo(persist="plan")
 
 
 def _plan_dims(
@@ -581,7 +581,7 @@ def _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget
 # steps, buffers and operands are the eager program's, so the numbers it
 # computes are the same.
 
-_REPLANNED = Memo()
+_REPLANNED = Memo(persist="replan")
 
 
 def _renamed(s, ren: dict[str, str]):

@@ -51,7 +51,7 @@ from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 #: gates per mode, in PyTorch's weight order
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 _F32 = torch.float32
-_memo = Memo()
+_memo = Memo(persist="recurrent")
 
 
 def _pows(limit: int, at_most: int) -> list[int]:

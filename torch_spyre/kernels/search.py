@@ -16,8 +16,10 @@ operand layouts) finds its plan here, the same way:
   what fits);
 * **cost**: the timing model's modelled time (``sim.estimate``), or the
   caller's ``cost`` (a layout choice adds what its readers pay);
-* **cache**: ``Memo`` keeps finished searches (bounded); the card's own
-  estimate cache keeps the timing of each program.
+* **cache**: ``Memo`` keeps finished searches (bounded), in memory and,
+  with ``persist=``, in the persistent artifact cache that other processes
+  read (``runtime/artifact_cache.py``); the card's own estimate cache keeps
+  the timing of each program.
 
 ``Search`` is the loop as an object, for searches run in stages (flash
 attention tries single buffering only while nothing double buffered fits);
@@ -27,11 +29,13 @@ anything a kernel program cannot express (the message names it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from torch_spyre.ir import ProgramError
+from torch_spyre.runtime import artifact_cache
 from torch_spyre.sim import estimate
 
 C = TypeVar("C")
@@ -156,10 +160,19 @@ class Memo:
 
     A search that raised (``Unsupported``, ``NoPlan``) is remembered too and
     raised again: a model's layers repeat the same kernels, and the search is
-    the bulk of planning time."""
+    the bulk of planning time.
 
-    def __init__(self, limit: int = 4096) -> None:
+    ``persist="namespace"``: finished searches also go to the persistent
+    artifact cache (``runtime.artifact_cache``, ``TORCH_SPYRE_CACHE_DIR``),
+    keyed by the canonical form of ``key`` and the code version, so that
+    another process finds them instead of searching again.  Only for searches
+    whose result depends on nothing but the key (the hardware config and
+    planning options belong in it); a key with no canonical form is kept in
+    memory only."""
+
+    def __init__(self, limit: int = 4096, persist: str | None = None) -> None:
         self.limit = limit
+        self.persist = persist
         self._done: dict[Hashable, Any] = {}
 
     def __len__(self) -> int:
@@ -173,16 +186,55 @@ class Memo:
         and raised again (as a new exception of the same type and message)."""
         hit = self._done.get(key, _MISSING)
         if hit is _MISSING:
-            try:
-                hit = compute()
-            except remember as err:
-                hit = _Raised(err)
+            disk = self._disk_key(key)
+            if disk is not None:
+                found = artifact_cache.load(self.persist, disk)  # type: ignore[arg-type]
+                if found is not None:
+                    hit = found[0]
+            if hit is _MISSING:
+                try:
+                    hit = compute()
+                except remember as err:
+                    hit = _Raised(type(err)(str(err)))
+                if disk is not None:
+                    artifact_cache.store(self.persist, disk, (hit,))  # type: ignore[arg-type]
             if len(self._done) > self.limit:
                 self._done.clear()
             self._done[key] = hit
         if isinstance(hit, _Raised):
             raise type(hit.error)(str(hit.error))
         return hit
+
+    def _disk_key(self, key: Hashable) -> str | None:
+        if self.persist is None:
+            return None
+        try:
+            return artifact_cache.key_of(self.persist, key)
+        except artifact_cache.Uncacheable:
+            return None
+
+
+def persisted(namespace: str) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """A search function memoised in memory and in the persistent artifact
+    cache (``Memo(persist=namespace)``), keyed by its arguments; its errors of
+    the rejection types (``REJECTED``) are remembered too."""
+
+    def wrap(fn: Callable[..., R]) -> Callable[..., R]:
+        memo = Memo(persist=namespace)
+
+        @functools.wraps(fn)
+        def cached(*args: Any, **kwargs: Any) -> R:
+            key = (fn.__qualname__, args, tuple(sorted(kwargs.items())))
+            try:
+                hash(key)
+            except TypeError:  # an unhashable argument: searched every time
+                return fn(*args, **kwargs)
+            return memo.get(key, lambda: fn(*args, **kwargs), remember=REJECTED)
+
+        cached.memo = memo  # type: ignore[attr-defined]
+        return cached
+
+    return wrap
 
 
 _MISSING = object()
@@ -193,4 +245,13 @@ class _Raised:
     error: BaseException
 
 
-__all__ = ["REJECTED", "Found", "Memo", "NoPlan", "Search", "Unsupported", "search"]
+__all__ = [
+    "REJECTED",
+    "Found",
+    "Memo",
+    "NoPlan",
+    "Search",
+    "Unsupported",
+    "persisted",
+    "search",
+]

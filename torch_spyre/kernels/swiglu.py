@@ -23,6 +23,7 @@ from torch_spyre.ir import (
     Store,
     Vector,
 )
+from torch_spyre.kernels.search import persisted
 from torch_spyre.kernels.splits import stick_splits
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
@@ -225,6 +226,7 @@ def swiglu_mlp(
     )
 
 
+@persisted("swiglu")
 def best_swiglu_mlp(
     b: int,
     m: int,
