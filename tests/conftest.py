@@ -7,9 +7,27 @@ import warnings
 
 import pytest
 
-import torch_spyre  # noqa: F401  (registers the device)
-from torch_spyre import settings
-from torch_spyre.runtime.fallback import SpyreFallbackWarning
+# The suite's persistent kernel-search cache (runtime/artifact_cache.py): one
+# fresh directory per run, shared by the xdist workers and subprocesses (they
+# inherit the variable) and removed at the end. A test that counts searches
+# must see them run, and CI's runs on one machine would otherwise share hits;
+# the cache itself is tested in tests/runtime/test_artifact_cache.py.
+# Inductor's cache stays where torch keeps it by default.
+if "TORCH_SPYRE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _run_cache = tempfile.mkdtemp(prefix="torch-spyre-test-cache-")
+    os.environ["TORCH_SPYRE_CACHE_DIR"] = _run_cache
+    atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
+
+import torch_spyre  # noqa: E402, F401  (registers the device)
+from torch_spyre import settings  # noqa: E402
+from torch_spyre.runtime.fallback import SpyreFallbackWarning  # noqa: E402
 
 warnings.filterwarnings("ignore", category=SpyreFallbackWarning)
 # tests import shared helpers from here (benchmark_module)
