@@ -1,0 +1,269 @@
+"""Multi-LoRA serving on the card: the punica wrapper and the adapters' weight stacks.
+
+vLLM's LoRA layers wrap the model's projections and ask the platform's punica
+wrapper (``SpyrePlatform.get_punica_wrapper``, the public hook) to add each
+batch's adapter deltas.  Here:
+
+* **the weight stacks live on the card.**  vLLM allocates each LoRA layer's
+  ``lora_a_stacked`` / ``lora_b_stacked`` (``[max_loras, 1, r, K]`` /
+  ``[max_loras, 1, N, r]``) on the runner's device, the host for this
+  CPU-typed runner; ``stacks_to_card`` (called by the model runner right
+  after vLLM wraps the layers) replaces them with card tensors, registered as
+  the layers' buffers so compiled graphs take them as inputs like weights.
+  vLLM's ``set_lora`` / ``reset_lora`` then write an adapter into its slot
+  of the card stacks when it is activated (host-to-card copies).
+* **the punica metadata goes to the card each step.**  ``update_metadata``
+  groups the step's LoRA tokens by adapter slot on the host (vLLM's mapping
+  is host state): tokens per slot, the tokens in slot order and each token's
+  grouped row, the latter two copied into fixed card buffers (two copies per
+  step, only when the step has LoRA tokens).
+* **one program per projection.**  ``add_lora_linear`` is the op
+  ``spyre::punica_sgmv``: the grouped shrink/expand kernel of every slice of
+  the projection for the whole batch (``ops/lora.py``, ``kernels/lora.py``),
+  an opaque node in compiled graphs that reads the step's grouping when it
+  runs.  A step without LoRA tokens runs nothing.
+
+vLLM wraps the embedding and the logits processor too: the embedding's LoRA
+gathers its ``A`` rows by token id on the card and runs the same grouped
+program without the shrink; the LM head's runs on the sampled rows, grouped
+by their own slots.  The fully sharded (S-LoRA) path and full-weight adapter
+modules are refused with an error naming them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+from torch_spyre.ops import lora as lora_ops
+
+if TYPE_CHECKING:
+    from vllm.lora.layers import LoRAMapping
+
+SPYRE = torch.device("spyre")
+
+
+class SpyrePunicaWrapper(PunicaWrapperBase):
+    """Punica metadata on the host and the card; the LoRA deltas as card programs."""
+
+    def __init__(
+        self,
+        max_num_batched_tokens: int,
+        max_batches: int,
+        device: torch.device | str,
+        **kwargs: Any,
+    ) -> None:
+        # vLLM's base metadata (token -> slot, sampler indices) stays on the host,
+        # where vLLM computes it; the grouping the kernels read is on the card.
+        super().__init__(max_num_batched_tokens, max_batches, "cpu")
+        lora_config = kwargs.get("lora_config")
+        self.slots = int(lora_config.max_loras) if lora_config is not None else 0
+        self.max_tokens = max_num_batched_tokens
+        #: the step's grouping: of its tokens (projections) and sampled rows (LM head)
+        self.tokens = Grouping(self.slots, max_num_batched_tokens)
+        self.sampled = Grouping(self.slots, max_num_batched_tokens)
+        # the embedding's LoRA gathers its A rows on the card by token id plus
+        # this offset (vLLM writes it in _update_base_metadata: host to card)
+        self._embeddings_indices = torch.zeros(
+            max_num_batched_tokens, dtype=torch.int64, device=SPYRE
+        )
+        global _active
+        _active = self
+
+    def update_metadata(
+        self,
+        mapping: LoRAMapping,
+        lora_index_to_id: list[int | None],
+        max_loras: int,
+        vocab_size: int,
+        **kwargs: Any,
+    ) -> None:
+        super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
+        self.tokens.update(self.token_lora_indices.numpy())
+        self.sampled.update(self.sampler_indices.numpy())
+        global _active
+        _active = self
+
+    # -- what the LoRA layers call ------------------------------------------
+    def add_lora_linear(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        scale: float,
+        output_slices: tuple[int, ...],
+        *,
+        buffer: tuple[torch.Tensor, ...] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if scale != 1.0:
+            raise NotImplementedError(f"spyre LoRA: scale {scale} (vLLM folds it into B)")
+        if tuple(b.shape[2] for b in lora_b_stacked) != tuple(output_slices):
+            raise NotImplementedError(
+                f"spyre LoRA: output slices {output_slices} differ from the B stacks' "
+                f"{[b.shape[2] for b in lora_b_stacked]}"
+            )
+        if y.dim() != 2 or x.dim() != 2:
+            raise NotImplementedError(f"spyre LoRA: y {tuple(y.shape)}, x {tuple(x.shape)}")
+        torch.ops.spyre.punica_sgmv(y, x, list(lora_a_stacked), list(lora_b_stacked), False)
+        return y
+
+    def add_shrink(self, y, x, lora_a_stacked, scale, **kwargs):
+        raise NotImplementedError(_REFUSED.format(what="fully sharded LoRA (add_shrink)"))
+
+    def add_expand(
+        self, y, x, lora_b_stacked, output_slices, offset_start=0, add_inputs=True, **kw
+    ):
+        raise NotImplementedError(_REFUSED.format(what="fully sharded LoRA (add_expand)"))
+
+    def add_lora_embedding(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        add_inputs: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """``y += x @ B[slot]^T``: the embedding's expand (its A rows were gathered
+        by token id), the same grouped program without the shrink."""
+        if y.dim() != 2 or x.dim() != 2:
+            raise NotImplementedError(f"spyre LoRA: y {tuple(y.shape)}, x {tuple(x.shape)}")
+        torch.ops.spyre.punica_sgmv(y, x.to(lora_b_stacked.dtype), [], [lora_b_stacked], False)
+        return y
+
+    def add_lora_logits(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a_stacked: torch.Tensor,
+        lora_b_stacked: torch.Tensor,
+        scale: float,
+        *,
+        buffer: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """The LM head's adapters on the sampled rows (grouped by the sampler's slots)."""
+        if scale != 1.0 or y.dim() != 2 or x.dim() != 2:
+            raise NotImplementedError(
+                f"spyre LoRA logits: scale {scale}, y {tuple(y.shape)}, x {tuple(x.shape)}"
+            )
+        torch.ops.spyre.punica_sgmv(y, x, [lora_a_stacked], [lora_b_stacked], True)
+        return y
+
+    def apply_lora_full_linear(self, y, x, weight_stacked, bias_stacked, module_enabled):
+        raise NotImplementedError(_REFUSED.format(what="full-weight adapter modules"))
+
+
+_REFUSED = (
+    "spyre: {what} is not supported on the card; serve adapters on the decoder's linear "
+    "projections (q/k/v/o, gate/up/down)"
+)
+
+#: the wrapper whose metadata the op reads (the language model's: one per process)
+_active: SpyrePunicaWrapper | None = None
+
+
+class Grouping:
+    """One grouping of rows by adapter slot: host counts, card index buffers."""
+
+    def __init__(self, slots: int, max_rows: int) -> None:
+        self.slots, self.max_rows = slots, max_rows
+        self.counts: tuple[int, ...] = (0,) * slots
+        self.rows = torch.zeros(max_rows, dtype=torch.int64, device=SPYRE)
+        self.inv = torch.zeros(max_rows, dtype=torch.int64, device=SPYRE)
+
+    def update(self, slot_of_row: np.ndarray) -> None:
+        """Group the step's rows (-1: base model); the indices go to the card
+        (two copies into the fixed buffers) when some row has an adapter."""
+        counts, rows, inv = group_tokens(slot_of_row, self.slots, self.max_rows)
+        if any(counts):
+            self.rows.copy_(torch.from_numpy(rows))
+            self.inv.copy_(torch.from_numpy(inv))
+        self.counts = counts
+
+
+def group_tokens(
+    slots: np.ndarray, num_slots: int, max_tokens: int
+) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """(tokens per slot, the LoRA tokens in slot order, each token's grouped row)
+    for the step's token -> slot map (-1: base model).  Both arrays have
+    ``max_tokens`` entries; a token without an adapter, and every position past
+    the step's tokens (a compiled bucket's padding), has row ``sum(counts)``: the
+    op's zero row."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size and slots.max(initial=-1) >= num_slots:
+        raise ValueError(f"spyre LoRA: slot {int(slots.max())} of {num_slots}")
+    lora = np.flatnonzero(slots >= 0)
+    order = lora[np.argsort(slots[lora], kind="stable")]
+    counts = np.bincount(slots[lora], minlength=num_slots)
+    r = len(order)
+    rows = np.zeros(max_tokens, dtype=np.int64)
+    rows[:r] = order
+    inv = np.full(max_tokens, r, dtype=np.int64)
+    inv[order] = np.arange(r, dtype=np.int64)
+    return tuple(int(c) for c in counts), rows, inv
+
+
+@torch.library.custom_op("spyre::punica_sgmv", mutates_args=("y",))
+def punica_sgmv(
+    y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], sampled: bool
+) -> None:
+    """``y +=`` the step's LoRA deltas of one projection (slices ``a[i]``/``b[i]``;
+    ``a`` empty: ``x`` is already shrunk), the step's grouping of its tokens (or
+    of its sampled rows) read from the active punica wrapper when it runs."""
+    w = _active
+    g = None if w is None else (w.sampled if sampled else w.tokens)
+    if g is None or not any(g.counts):
+        return
+    lora_ops.sgmv_add_(y, x, g.rows, g.inv, a, b, g.counts)
+
+
+@punica_sgmv.register_fake
+def _(y, x, a, b, sampled):
+    return None
+
+
+def stacks_to_card(model: torch.nn.Module) -> int:
+    """Every LoRA layer's weight stacks as card tensors (zeros: no adapter is
+    active yet), registered as buffers; returns the device bytes they take."""
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+    from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
+
+    total = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, BaseLayerWithLoRA):
+            continue
+        if isinstance(m, VocabParallelEmbeddingWithLoRA):
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                total += _to_card(m, attr, 0, getattr(m, attr))
+                setattr(m, attr, getattr(m, f"spyre_{attr}_0"))
+            a = m.lora_a_stacked
+            m.lora_a_stacked_2d = a.view(a.shape[0] * a.shape[1], a.shape[2])
+            continue
+        if isinstance(m, LogitsProcessorWithLoRA):
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                total += _to_card(m, attr, 0, getattr(m, attr))
+                setattr(m, attr, getattr(m, f"spyre_{attr}_0"))
+            continue
+        if not isinstance(m, BaseLinearLayerWithLoRA):
+            raise NotImplementedError(_REFUSED.format(what=f"LoRA on {name} ({type(m).__name__})"))
+        for attr in ("lora_a_stacked", "lora_b_stacked"):
+            stacks = getattr(m, attr)
+            for i, t in enumerate(stacks):
+                total += _to_card(m, attr, i, t)
+            setattr(m, attr, tuple(getattr(m, f"spyre_{attr}_{i}") for i in range(len(stacks))))
+        m.device = SPYRE
+    return total
+
+
+def _to_card(m: torch.nn.Module, attr: str, i: int, t: torch.Tensor) -> int:
+    """A zero card tensor like host stack ``t``, buffer ``spyre_{attr}_{i}`` of ``m``."""
+    c = torch.zeros(t.shape, dtype=t.dtype, device=SPYRE)
+    m.register_buffer(f"spyre_{attr}_{i}", c, persistent=False)
+    return c.numel() * c.element_size()
