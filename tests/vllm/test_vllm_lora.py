@@ -10,12 +10,14 @@ import torch
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: the last adapter: peft's default targets for llama (no weights for k, o, the MLP)
+QV = ["q_proj", "v_proj"]
 RANK = 8
 N_ADAPTERS = 4
 N_TOKENS = 6
 
 
-def _make_adapter(base_dir: str, out_dir: str, seed: int) -> None:
+def _make_adapter(base_dir: str, out_dir: str, seed: int, targets: list[str]) -> None:
     """A random peft LoRA adapter (rank 8, nonzero A and B) of the tiny llama."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -25,7 +27,7 @@ def _make_adapter(base_dir: str, out_dir: str, seed: int) -> None:
     cfg = LoraConfig(
         r=RANK,
         lora_alpha=2 * RANK,
-        target_modules=TARGETS,
+        target_modules=targets,
         lora_dropout=0.0,
         init_lora_weights=False,  # B random too: every adapter changes the model
     )
@@ -42,7 +44,7 @@ def adapters(tiny_llama_dir, tmp_path_factory) -> list[str]:
     dirs = []
     for i in range(N_ADAPTERS):
         d = str(tmp_path_factory.mktemp(f"lora{i}"))
-        _make_adapter(tiny_llama_dir, d, seed=100 + i)
+        _make_adapter(tiny_llama_dir, d, 100 + i, QV if i == N_ADAPTERS - 1 else TARGETS)
         dirs.append(d)
     return dirs
 
@@ -105,6 +107,9 @@ def _lora_state(worker) -> dict:
     """Runs inside the worker: where the LoRA stacks and metadata live, what ran."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
+    from torch_spyre.runtime import dispatch_stats
+    from torch_spyre.vllm_plugin import lora as lora_plugin
+
     runner = worker.model_runner
     layers = [m for m in runner.model.modules() if isinstance(m, BaseLinearLayerWithLoRA)]
     wrapper = layers[0].punica_wrapper
@@ -112,8 +117,15 @@ def _lora_state(worker) -> dict:
         "layers": len(layers),
         "stacks": {t.device.type for m in layers for t in (*m.lora_a_stacked, *m.lora_b_stacked)},
         "metadata": {
-            t.device.type for g in (wrapper.tokens, wrapper.sampled) for t in (g.rows, g.inv)
+            t.device.type
+            for g in (wrapper.tokens, wrapper.sampled)
+            for t in (g.index.rows, g.index.rows32, g.index.inv)
         },
+        "live": {
+            type(m.base_layer).__name__: lora_plugin._live[m.lora_b_stacked[0].data_ptr()].tolist()
+            for m in layers[:4]
+        },
+        "kernels": dict(dispatch_stats.counts("kernel")),
         "slots": runner.lora_manager._adapter_manager.lora_index_to_id,
         "modelled_s": runner.step_stats.modelled_s,
     }
@@ -143,8 +155,20 @@ def test_mixed_adapter_batch_equals_peft(
     assert state["layers"] == 2 * 4  # qkv, o, gate_up, down per layer
     assert state["stacks"] == {"spyre"} and state["metadata"] == {"spyre"}
     assert sorted(i for i in state["slots"] if i is not None) == [1, 2, 3, 4]
+    # which slots hold weights, per slice: the q/v adapter has none for k, o, the MLP
+    qv = state["slots"].index(N_ADAPTERS)
+    live = state["live"]
+    assert [row[qv] for row in live["SpyreQKVParallelLinear"]] == [True, False, True]
+    assert [row[qv] for row in live["SpyreRowParallelLinear"]] == [False]
+    assert [row[qv] for row in live["SpyreMergedColumnParallelLinear"]] == [False, False]
+    others = [s for s in range(N_ADAPTERS) if s != qv]
+    assert all(live["SpyreQKVParallelLinear"][i][s] for i in range(3) for s in others)
     assert torch_spyre.fallback_counts() == {}
-    assert dispatch_stats.counts("kernel").get("lora_sgmv", 0) > before
+    # one indexed program per projection served every step; no grouped fallback
+    # (the adapters hold no embedding nor LM-head weights: those layers ran nothing)
+    kernels = dispatch_stats.counts("kernel")
+    assert kernels.get("lora_sgmv", 0) > before
+    assert "lora_sgmv_grouped" not in kernels
 
 
 @pytest.mark.slow

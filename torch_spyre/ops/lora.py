@@ -1,19 +1,23 @@
 """Multi-LoRA on the card: a batch's adapters applied to one projection in one program.
 
-``sgmv_add_(y, x, rows, inv, a, b, counts)`` adds to ``y`` the deltas where
-token ``t``'s ``delta`` is ``x[t] @ A_i[e]^T @ B_i[e]^T`` for every slice ``i``
-of the projection (at its columns of ``y``), ``e`` the token's adapter slot,
-and zero for base-model tokens.  The batch's grouping comes from the host (the
-LoRA mapping is host state): ``counts`` (tokens per slot), ``rows`` (the LoRA
-tokens ordered by slot, on the card) and ``inv`` (each token's grouped row, or
-``sum(counts)`` for a base-model or padding token, on the card).  On spyre:
+``sgmv_add_(y, x, index, a, b, live)`` adds to ``y`` the deltas where token
+``t``'s is ``x[t] @ A_i[e]^T @ B_i[e]^T`` for every slice ``i`` of the
+projection (at its columns of ``y``), ``e`` the token's adapter slot, and zero
+for base-model tokens.  The batch's grouping comes from the host (the LoRA
+mapping is host state): ``index.counts`` (tokens per slot) and, on the card,
+the LoRA tokens ordered by slot (``index.rows``, int32 ``[M, 1]`` for the
+kernel, int64 ``[M]`` for gathers) and each token's grouped row
+(``index.inv``).  On spyre it is **one grouped kernel**
+(``kernels.lora.sgmv_indexed``): per live (slice, slot with tokens), a shrink
+phase gathering the slot's token rows of ``x`` through the row table, then an
+expand phase adding into the same rows of ``y``; the stacked weights are read
+in place.  Nothing else runs: no copies, no zero fill.
 
-1. the LoRA tokens' rows of ``x`` gathered (DMA, ``index_select``);
-2. **one grouped kernel** (``kernels.lora.sgmv``): the shrink of every slice
-   for every slot with tokens, then the expands, each slot's weights read in
-   place from the stacks;
-3. each token's delta gathered back from the grouped rows (a zero row for
-   base-model tokens) and added to ``y``.
+When the indexed program cannot express the projection (a slice's columns of
+``y`` do not start on a stick; ``y`` in another dtype than the weights, as an
+fp32 LM head's logits; the embedding's expand-only LoRA), the rows are
+grouped by a gather, the grouped kernel ``kernels.lora.sgmv`` runs, and each
+token's delta is gathered back and added (four more card programs).
 
 vLLM's punica wrapper calls it through its op ``spyre::punica_sgmv``
 (``vllm_plugin/lora.py``), one node of compiled graphs (a fallback kernel
@@ -22,17 +26,29 @@ calling this eager kernel, as ``spyre::moe_experts``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from torch_spyre.ir import ProgramError
 from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@dataclass
+class RowIndex:
+    """A step's rows grouped by adapter slot (see the module docstring)."""
+
+    counts: tuple[int, ...]
+    rows: torch.Tensor  # int64 [M]: the LoRA rows in slot order (first sum(counts))
+    rows32: torch.Tensor  # int32 [M, 1]: the same, the kernel's row table
+    inv: torch.Tensor  # int64 [M]: each row's grouped row, sum(counts) for none
+
+
 def reference(
     y: torch.Tensor,
     x: torch.Tensor,
-    inv: torch.Tensor,
     a: list[torch.Tensor],
     b: list[torch.Tensor],
     slots: torch.Tensor,
@@ -52,19 +68,27 @@ def reference(
 def sgmv_add_(
     y: torch.Tensor,
     x: torch.Tensor,
-    rows: torch.Tensor,
-    inv: torch.Tensor,
+    index: RowIndex,
     a: list[torch.Tensor],
     b: list[torch.Tensor],
-    counts: tuple[int, ...],
+    live: tuple[tuple[bool, ...], ...] | None = None,
 ) -> None:
-    """``y += `` the LoRA deltas, on the card.  y [T, N], x [T, K], rows [>= R]
-    and inv [>= T] int64 (R = ``sum(counts)``), a[i] [L, 1, r, K], b[i]
-    [L, 1, n_i, r] (sum n_i = N), counts [L] (host integers).  ``a`` empty:
-    expand only, ``x`` [T, r] is already shrunk (the embedding's LoRA)."""
+    """``y += `` the LoRA deltas, on the card.  y [T, N], x [T, K], a[i] [L, 1, r, K],
+    b[i] [L, 1, n_i, r] (sum n_i = N).  ``a`` empty: expand only, ``x`` [T, r] is
+    already shrunk (the embedding's LoRA).  ``live[i][e]``: slot ``e`` holds
+    weights for slice ``i`` (None: all do); a dead pair runs nothing."""
     if y.device.type != "spyre":
         raise RuntimeError("lora sgmv runs on spyre tensors")
-    _device_sgmv(y, x, rows, inv, a, b, tuple(counts))
+    counts = index.counts
+    check(y, x, a, b, len(counts))
+    if live is None:
+        live = tuple((True,) * len(counts) for _ in b)
+    live = tuple(tuple(bool(v and c) for v, c in zip(sl, counts)) for sl in live)
+    if not any(any(sl) for sl in live):
+        return  # no token of the step uses an adapter with weights here: nothing runs
+    if a and y.dtype == x.dtype and _indexed(y, x, index, a, b, live):
+        return
+    _grouped(y, x, index, a, b, live)
 
 
 def check(
@@ -97,31 +121,78 @@ def check(
         raise RuntimeError("lora sgmv: " + "; ".join(problems))
 
 
-def _device_sgmv(y, x, rows, inv, a, b, counts: tuple[int, ...]) -> None:
+def _kernel(key: tuple, build) -> launch.Kernel:
+    """The cached kernel for ``key``; a program the builder rejects is cached as None."""
+
+    def guarded() -> launch.Kernel:
+        try:
+            return launch.Kernel(build())
+        except ProgramError as err:
+            return launch.Kernel(None, {"rejected": str(err)})  # type: ignore[arg-type]
+
+    return launch.kernel(key, guarded)
+
+
+def _indexed(y, x, index: RowIndex, a, b, live) -> bool:
+    """The one-program path (gathered rows, in-place accumulate); False when the
+    card rejects its program (the caller takes the grouped path)."""
     from torch_spyre.kernels import lora
 
-    check(y, x, a, b, len(counts))
+    counts = index.counts
     r = sum(counts)
-    if r == 0:
-        return  # no token of the step uses an adapter: nothing runs
+    t, k = x.shape
+    rank = int(b[0].shape[3])
+    slices = tuple(int(bi.shape[2]) for bi in b)
+    dev = x.device
+    m = index.rows32.shape[0]
+    key = ("lora_sgmv_indexed", counts, k, rank, slices, live, x.dtype, t, m)
+    cfg = cards.config(dev.index or 0)
+    kern = _kernel(
+        key,
+        lambda: lora.sgmv_indexed(
+            counts, k, rank, slices, live, x.dtype, tokens=t, table_rows=m, config=cfg
+        ),
+    )
+    if kern.program is None:
+        return False
+    buffers = {
+        "x": operands.device_memory(operands.whole(x)),
+        "y": operands.device_memory(operands.whole(y)),
+        "rows": operands.device_memory(operands.whole(index.rows32)),
+    }
+    for i, (ai, bi) in enumerate(zip(a, b)):
+        if not any(live[i]):
+            continue
+        buffers[f"a{i}"] = operands.device_memory(operands.whole(ai))
+        buffers[f"b{i}"] = operands.device_memory(operands.whole(bi))
+        buffers[f"s{i}"] = operands.device_memory(torch.empty((r, rank), dtype=x.dtype, device=dev))
+    kern.launch_memory(dev.index or 0, buffers)
+    dispatch_stats.record("kernel", "lora_sgmv")
+    return True
+
+
+def _grouped(y, x, index: RowIndex, a, b, live) -> None:
+    """Rows grouped by a gather, the grouped kernel, deltas gathered back and added."""
+    from torch_spyre.kernels import lora
+
+    counts = index.counts
+    r = sum(counts)
     t, k = x.shape
     shrink = bool(a)
     rank = int(b[0].shape[3])
     slices = tuple(int(bi.shape[2]) for bi in b)
     dev = x.device
-    xg = x.index_select(0, rows[:r])
+    xg = x.index_select(0, index.rows[:r])
     # one zero row past the grouped rows: base-model and padding tokens gather it
     out = torch.zeros((r + 1, y.shape[1]), dtype=x.dtype, device=dev)
-    scratch = [torch.empty((r, rank), dtype=x.dtype, device=dev) for _ in a]
-    key = ("lora_sgmv", counts, k, rank, slices, x.dtype, r + 1, shrink)
-
-    def build() -> launch.Kernel:
-        cfg = cards.config(dev.index or 0)
-        return launch.Kernel(
-            lora.sgmv(counts, k, rank, slices, x.dtype, out_rows=r + 1, shrink=shrink, config=cfg)
-        )
-
-    kern = launch.kernel(key, build)
+    key = ("lora_sgmv", counts, k, rank, slices, live, x.dtype, r + 1, shrink)
+    cfg = cards.config(dev.index or 0)
+    kern = _kernel(
+        key,
+        lambda: lora.sgmv(
+            counts, k, rank, slices, x.dtype, out_rows=r + 1, live=live, shrink=shrink, config=cfg
+        ),
+    )
     if kern.program is None:
         raise RuntimeError(
             f"lora sgmv: no program for {counts} tokens per slot, K={k}, rank {rank}, "
@@ -129,10 +200,14 @@ def _device_sgmv(y, x, rows, inv, a, b, counts: tuple[int, ...]) -> None:
         )
     buffers = {"x": operands.device_memory(xg), "out": operands.device_memory(out)}
     for i, bi in enumerate(b):
-        buffers[f"b{i}"] = operands.device_memory(operands.whole(bi))
-    for i, (ai, si) in enumerate(zip(a, scratch)):
-        buffers[f"a{i}"] = operands.device_memory(operands.whole(ai))
-        buffers[f"s{i}"] = operands.device_memory(si)
+        if any(live[i]):
+            buffers[f"b{i}"] = operands.device_memory(operands.whole(bi))
+    for i, ai in enumerate(a):
+        if any(live[i]):
+            buffers[f"a{i}"] = operands.device_memory(operands.whole(ai))
+            buffers[f"s{i}"] = operands.device_memory(
+                torch.empty((r, rank), dtype=x.dtype, device=dev)
+            )
     kern.launch_memory(dev.index or 0, buffers)
-    dispatch_stats.record("kernel", "lora_sgmv")
-    y.add_(out.index_select(0, inv[:t]))
+    dispatch_stats.record("kernel", "lora_sgmv_grouped")
+    y.add_(out.index_select(0, index.inv[:t]))

@@ -21,7 +21,8 @@ batch's adapter deltas.  Here:
   ``spyre::punica_sgmv``: the grouped shrink/expand kernel of every slice of
   the projection for the whole batch (``ops/lora.py``, ``kernels/lora.py``),
   an opaque node in compiled graphs that reads the step's grouping when it
-  runs.  A step without LoRA tokens runs nothing.
+  runs.  A step without LoRA tokens runs nothing, and nor does a slice or a
+  layer the step's adapters hold no weights for (``track_live_slots``).
 
 vLLM wraps the embedding and the logits processor too: the embedding's LoRA
 gathers its ``A`` rows by token id on the card and runs the same grouped
@@ -171,19 +172,27 @@ class Grouping:
     """One grouping of rows by adapter slot: host counts, card index buffers."""
 
     def __init__(self, slots: int, max_rows: int) -> None:
+        self.index = lora_ops.RowIndex(
+            (0,) * slots,
+            torch.zeros(max_rows, dtype=torch.int64, device=SPYRE),
+            torch.zeros((max_rows, 1), dtype=torch.int32, device=SPYRE),
+            torch.zeros(max_rows, dtype=torch.int64, device=SPYRE),
+        )
         self.slots, self.max_rows = slots, max_rows
-        self.counts: tuple[int, ...] = (0,) * slots
-        self.rows = torch.zeros(max_rows, dtype=torch.int64, device=SPYRE)
-        self.inv = torch.zeros(max_rows, dtype=torch.int64, device=SPYRE)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return self.index.counts
 
     def update(self, slot_of_row: np.ndarray) -> None:
-        """Group the step's rows (-1: base model); the indices go to the card
-        (two copies into the fixed buffers) when some row has an adapter."""
+        """Group the step's rows (-1: base model); the index tables go to the
+        card (three copies into the fixed buffers) when some row has an adapter."""
         counts, rows, inv = group_tokens(slot_of_row, self.slots, self.max_rows)
         if any(counts):
-            self.rows.copy_(torch.from_numpy(rows))
-            self.inv.copy_(torch.from_numpy(inv))
-        self.counts = counts
+            self.index.rows.copy_(torch.from_numpy(rows))
+            self.index.rows32.copy_(torch.from_numpy(rows.astype(np.int32)).reshape(-1, 1))
+            self.index.inv.copy_(torch.from_numpy(inv))
+        self.index.counts = counts
 
 
 def group_tokens(
@@ -219,12 +228,53 @@ def punica_sgmv(
     g = None if w is None else (w.sampled if sampled else w.tokens)
     if g is None or not any(g.counts):
         return
-    lora_ops.sgmv_add_(y, x, g.rows, g.inv, a, b, g.counts)
+    live = _live.get(b[0].data_ptr())
+    lora_ops.sgmv_add_(y, x, g.index, a, b, None if live is None else _as_tuple(live))
 
 
 @punica_sgmv.register_fake
 def _(y, x, a, b, sampled):
     return None
+
+
+#: which slots hold weights, per LoRA layer ([slice, slot] booleans), keyed by the
+#: card address of the layer's first B stack (what the op is handed)
+_live: dict[int, np.ndarray] = {}
+
+
+def _as_tuple(live: np.ndarray) -> tuple[tuple[bool, ...], ...]:
+    return tuple(tuple(bool(v) for v in row) for row in live)
+
+
+def track_live_slots(m: torch.nn.Module, slices: int, slots: int) -> np.ndarray:
+    """Record which adapter slots of LoRA layer ``m`` hold weights, per slice.
+
+    vLLM activates an adapter by calling each LoRA layer's ``set_lora`` (the
+    slices the adapter has weights for; ``None`` for the others) or, for a
+    layer the adapter does not touch, ``reset_lora`` (zeros).  No public hook
+    tells the platform which slots of a layer are zero, and the punica wrapper
+    is handed only the stacks; so the layer's two methods are wrapped on the
+    instance, and a (slice, slot) without weights runs no phase (an adapter
+    on q and v costs nothing in the MLP).  vLLM 0.32.0.
+    test_vllm_lora.py::test_mixed_adapter_batch_equals_peft fails if this
+    stops being called (the live table stays empty: adapters would be skipped).
+    """
+    live = np.zeros((slices, slots), dtype=bool)
+    set_lora, reset_lora = m.set_lora, m.reset_lora
+
+    def reset(index: int) -> None:
+        reset_lora(index)
+        live[:, index] = False
+
+    def set_(index: int, lora_a, lora_b) -> None:
+        set_lora(index, lora_a, lora_b)  # calls self.reset_lora first
+        parts = lora_a if isinstance(lora_a, list | tuple) else [lora_a]
+        for i, t in enumerate(parts):
+            live[i, index] = t is not None
+
+    m.reset_lora = reset
+    m.set_lora = set_
+    return live
 
 
 def stacks_to_card(model: torch.nn.Module) -> int:
@@ -239,17 +289,14 @@ def stacks_to_card(model: torch.nn.Module) -> int:
     for name, m in model.named_modules():
         if not isinstance(m, BaseLayerWithLoRA):
             continue
-        if isinstance(m, VocabParallelEmbeddingWithLoRA):
+        if isinstance(m, VocabParallelEmbeddingWithLoRA | LogitsProcessorWithLoRA):
             for attr in ("lora_a_stacked", "lora_b_stacked"):
                 total += _to_card(m, attr, 0, getattr(m, attr))
                 setattr(m, attr, getattr(m, f"spyre_{attr}_0"))
-            a = m.lora_a_stacked
-            m.lora_a_stacked_2d = a.view(a.shape[0] * a.shape[1], a.shape[2])
-            continue
-        if isinstance(m, LogitsProcessorWithLoRA):
-            for attr in ("lora_a_stacked", "lora_b_stacked"):
-                total += _to_card(m, attr, 0, getattr(m, attr))
-                setattr(m, attr, getattr(m, f"spyre_{attr}_0"))
+            if isinstance(m, VocabParallelEmbeddingWithLoRA):
+                a = m.lora_a_stacked
+                m.lora_a_stacked_2d = a.view(a.shape[0] * a.shape[1], a.shape[2])
+            _live[m.lora_b_stacked.data_ptr()] = track_live_slots(m, 1, m.lora_b_stacked.shape[0])
             continue
         if not isinstance(m, BaseLinearLayerWithLoRA):
             raise NotImplementedError(_REFUSED.format(what=f"LoRA on {name} ({type(m).__name__})"))
@@ -259,6 +306,8 @@ def stacks_to_card(model: torch.nn.Module) -> int:
                 total += _to_card(m, attr, i, t)
             setattr(m, attr, tuple(getattr(m, f"spyre_{attr}_{i}") for i in range(len(stacks))))
         m.device = SPYRE
+        b0 = m.lora_b_stacked[0]
+        _live[b0.data_ptr()] = track_live_slots(m, len(m.lora_b_stacked), b0.shape[0])
     return total
 
 
