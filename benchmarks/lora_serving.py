@@ -64,12 +64,14 @@ def make_adapters(model_dir: str, rank: int, n: int, targets: list[str], root: P
     return dirs
 
 
-def engine(model_dir: str, batch: int, lora: tuple[int, int] | None):
+def engine(model_dir: str, batch: int, lora: tuple[int, int] | None, wrap: list[str] | None = None):
     from vllm import LLM
 
-    extra = {}
+    extra: dict = {}
     if lora is not None:
         extra = dict(enable_lora=True, max_loras=lora[0], max_lora_rank=lora[1])
+        if wrap is not None:
+            extra["lora_target_modules"] = wrap
     return LLM(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -116,6 +118,13 @@ def main() -> None:
     ap.add_argument("--adapters", default="1,4,16")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--targets", choices=sorted(TARGETS), default="all")
+    ap.add_argument(
+        "--wrap",
+        choices=("all", "targets"),
+        default="all",
+        help="LoRA layers vLLM builds: every linear layer (vLLM's default) or only the "
+        "adapters' targets (--lora-target-modules)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -131,14 +140,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rank in ranks:
             dirs = make_adapters(model, rank, max(counts), TARGETS[args.targets], Path(tmp))
-            llm = engine(model, args.batch, (max(counts), rank))
+            wrap = None if args.wrap == "all" else TARGETS[args.targets]
+            llm = engine(model, args.batch, (max(counts), rank), wrap)
             reqs = [LoRARequest(f"r{rank}_{i}", 1 + i, d) for i, d in enumerate(dirs)]
             for n in [0, *counts]:
                 batch = [None if n == 0 else reqs[i % n] for i in range(args.batch)]
                 ms = decode_ms(llm, args.batch, batch)
                 rows.append(
                     {"rank": rank, "adapters": n, "batch": args.batch, "targets": args.targets,
-                     "base_ms": base_ms, "lora_ms": ms, "overhead": ms / base_ms - 1}
+                     "wrap": args.wrap, "base_ms": base_ms, "lora_ms": ms,
+                     "overhead": ms / base_ms - 1}
                 )  # fmt: skip
                 print(
                     f"rank {rank:3d}  adapters {n:2d}  decode step {ms:7.3f} ms  "
@@ -147,7 +158,10 @@ def main() -> None:
                 )
             close(llm)
     print()
-    print(f"SmolLM2-135M fp16, batch {args.batch}, adapters on {args.targets} projections")
+    print(
+        f"SmolLM2-135M fp16, batch {args.batch}, adapters on {args.targets} projections, "
+        f"LoRA layers on {'every linear layer' if args.wrap == 'all' else 'their targets'}"
+    )
     print("| rank | adapters in batch | decode step, no LoRA (ms) | with LoRA (ms) | overhead |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -126,6 +126,10 @@ def _lora_state(worker) -> dict:
             for m in layers[:4]
         },
         "kernels": dict(dispatch_stats.counts("kernel")),
+        "stack_shapes": {
+            (tuple(m.lora_a_stacked[0].shape), tuple(m.lora_b_stacked[0].shape)) for m in layers[:1]
+        },
+        "compiled": None if runner.compiled is None else runner.compiled.summary(),
         "slots": runner.lora_manager._adapter_manager.lora_index_to_id,
         "modelled_s": runner.step_stats.modelled_s,
     }
@@ -154,6 +158,11 @@ def test_mixed_adapter_batch_equals_peft(
     state = lora_llm.collective_rpc(_lora_state)[0]
     assert state["layers"] == 2 * 4  # qkv, o, gate_up, down per layer
     assert state["stacks"] == {"spyre"} and state["metadata"] == {"spyre"}
+    # --max-loras slots of --max-lora-rank: A [4, 1, 8, hidden], B [4, 1, q out, 8]
+    assert state["stack_shapes"] == {((N_ADAPTERS, 1, RANK, 128), (N_ADAPTERS, 1, 128, RANK))}
+    # the compiled forward: one graph per token bucket, the op an opaque node in it
+    compiled = state["compiled"]
+    assert compiled is not None and compiled["graphs"] <= len(compiled["buckets"])
     assert sorted(i for i in state["slots"] if i is not None) == [1, 2, 3, 4]
     # which slots hold weights, per slice: the q/v adapter has none for k, o, the MLP
     qv = state["slots"].index(N_ADAPTERS)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from torch_spyre.ir import ProgramError
@@ -44,6 +45,39 @@ class RowIndex:
     rows: torch.Tensor  # int64 [M]: the LoRA rows in slot order (first sum(counts))
     rows32: torch.Tensor  # int32 [M, 1]: the same, the kernel's row table
     inv: torch.Tensor  # int64 [M]: each row's grouped row, sum(counts) for none
+
+
+def group_rows(
+    slots: np.ndarray, num_slots: int, max_tokens: int
+) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """(tokens per slot, the LoRA tokens in slot order, each token's grouped row)
+    for the step's token -> slot map (-1: base model).  Both arrays have
+    ``max_tokens`` entries; a token without an adapter, and every position past
+    the step's tokens (a compiled bucket's padding), has row ``sum(counts)``: the
+    op's zero row."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size and slots.max(initial=-1) >= num_slots:
+        raise ValueError(f"lora: slot {int(slots.max())} of {num_slots}")
+    lora = np.flatnonzero(slots >= 0)
+    order = lora[np.argsort(slots[lora], kind="stable")]
+    counts = np.bincount(slots[lora], minlength=num_slots)
+    r = len(order)
+    rows = np.zeros(max_tokens, dtype=np.int64)
+    rows[:r] = order
+    inv = np.full(max_tokens, r, dtype=np.int64)
+    inv[order] = np.arange(r, dtype=np.int64)
+    return tuple(int(c) for c in counts), rows, inv
+
+
+def row_index(slots: np.ndarray, num_slots: int, max_rows: int, device) -> RowIndex:
+    """A new ``RowIndex`` for rows' slots (-1: none), its tables on ``device``."""
+    counts, rows, inv = group_rows(slots, num_slots, max_rows)
+    return RowIndex(
+        counts,
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(rows.astype(np.int32)).reshape(-1, 1).to(device),
+        torch.from_numpy(inv).to(device),
+    )
 
 
 def reference(

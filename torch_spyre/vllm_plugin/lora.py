@@ -187,34 +187,12 @@ class Grouping:
     def update(self, slot_of_row: np.ndarray) -> None:
         """Group the step's rows (-1: base model); the index tables go to the
         card (three copies into the fixed buffers) when some row has an adapter."""
-        counts, rows, inv = group_tokens(slot_of_row, self.slots, self.max_rows)
+        counts, rows, inv = lora_ops.group_rows(slot_of_row, self.slots, self.max_rows)
         if any(counts):
             self.index.rows.copy_(torch.from_numpy(rows))
             self.index.rows32.copy_(torch.from_numpy(rows.astype(np.int32)).reshape(-1, 1))
             self.index.inv.copy_(torch.from_numpy(inv))
         self.index.counts = counts
-
-
-def group_tokens(
-    slots: np.ndarray, num_slots: int, max_tokens: int
-) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
-    """(tokens per slot, the LoRA tokens in slot order, each token's grouped row)
-    for the step's token -> slot map (-1: base model).  Both arrays have
-    ``max_tokens`` entries; a token without an adapter, and every position past
-    the step's tokens (a compiled bucket's padding), has row ``sum(counts)``: the
-    op's zero row."""
-    slots = np.asarray(slots, dtype=np.int64)
-    if slots.size and slots.max(initial=-1) >= num_slots:
-        raise ValueError(f"spyre LoRA: slot {int(slots.max())} of {num_slots}")
-    lora = np.flatnonzero(slots >= 0)
-    order = lora[np.argsort(slots[lora], kind="stable")]
-    counts = np.bincount(slots[lora], minlength=num_slots)
-    r = len(order)
-    rows = np.zeros(max_tokens, dtype=np.int64)
-    rows[:r] = order
-    inv = np.full(max_tokens, r, dtype=np.int64)
-    inv[order] = np.arange(r, dtype=np.int64)
-    return tuple(int(c) for c in counts), rows, inv
 
 
 @torch.library.custom_op("spyre::punica_sgmv", mutates_args=("y",))
