@@ -26,15 +26,24 @@ def test_group_rows_orders_by_slot_stably():
     assert rows[:4].tolist() == [2, 4, 0, 3]  # slot 0's rows, then slot 2's, in order
     # base-model rows and the padding past the step's rows point at row 4 (none)
     assert inv.tolist() == [2, 4, 0, 3, 1, 4, 4, 4]
+    assert lora.runs(counts, rows) == (None, None, None, None)  # 2, 4 and 0, 3: not runs
+    counts, rows, _ = lora.group_rows(np.array([1, 1, 0, -1, 3, 3, 3]), 4, 8)
+    assert lora.runs(counts, rows) == (2, 0, None, 4)
     with pytest.raises(ValueError, match="slot 4 of 4"):
         lora.group_rows(np.array([4]), 4, 8)
 
 
+# SLOTS: slots 0 and 2 gathered through the row table, 1 and 3 single rows (runs);
+# RUNS: every slot's tokens adjacent (read in place, no row table)
+RUNS = [1, 1, 1, -1, 0, 0, 3, 2, 2, 2, 2, -1, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("slots", [SLOTS, RUNS], ids=["gathered", "runs"])
 @pytest.mark.parametrize(
     "dtype, slices, k",
     [(torch.float32, (128, 64, 64), 128), (torch.float16, (576, 192, 192), 576)],
 )
-def test_sgmv_matches_the_per_token_loop(stats, dtype, slices, k):
+def test_sgmv_matches_the_per_token_loop(stats, dtype, slices, k, slots):
     a, b = _stacks(slices, k, 16, 4, dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, k, generator=g).to(dtype)

@@ -146,12 +146,17 @@ def test_mixed_adapter_batch_equals_peft(
     prompts = _prompts(N_ADAPTERS + 1, seed=3)
     loras = [_request(i, d) for i, d in enumerate(adapters)] + [None]
     before = dispatch_stats.counts("kernel").get("lora_sgmv", 0)
+    t0 = torch.spyre.modelled_time_s()
     got = _generate(lora_llm, prompts, loras)
+    t1 = torch.spyre.modelled_time_s()
+    base_got = _generate(lora_llm, prompts, [None] * len(prompts))
+    # the adapters' programs are card time: the same batch without them is faster
+    assert t1 - t0 > torch.spyre.modelled_time_s() - t1
     for i, d in enumerate(adapters):
         want = hf_greedy(_merged(tiny_llama_dir, d), prompts[i], N_TOKENS)
         assert got[i] == want, f"adapter {i}"
     base = hf_greedy(tiny_llama_ref, prompts[-1], N_TOKENS)
-    assert got[-1] == base
+    assert got[-1] == base and base_got[-1] == base
     # every adapter changes the tokens of its prompt (the test can tell them apart)
     for i in range(N_ADAPTERS):
         assert got[i] != hf_greedy(tiny_llama_ref, prompts[i], N_TOKENS), f"adapter {i}"

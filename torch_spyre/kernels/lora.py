@@ -1,23 +1,28 @@
 """Multi-LoRA: the shrink and expand of one projection for a whole batch, one program.
 
 Punica's SGMV (segmented gather matrix-vector) for the card.  The batch's
-LoRA tokens are grouped by adapter slot (rows of slot 0, then slot 1, ...,
-``counts[e]`` rows each; base-model tokens are left out by the producer,
-``ops/lora.py``), and one grouped program (``ir.GroupedProgram``: phases
-run one after another on all cores, one launch) computes, for every slice
-``i`` of the projection (q, k and v of a fused QKV, gate and up of a merged
-MLP projection) and every slot ``e`` with rows:
+LoRA tokens are listed in adapter-slot order (``counts[e]`` tokens of slot
+``e``; base-model tokens are left out by the producer, ``ops/lora.py``), and
+one grouped program (``ir.GroupedProgram``: phases run one after another on
+all cores, one launch) computes, for every slice ``i`` of the projection (q,
+k and v of a fused QKV, gate and up of a merged MLP projection) and every
+slot ``e`` with tokens that holds weights for the slice:
 
-* **shrink** ``s_i[rows of e] = x[rows of e] @ A_i[e]^T``: the stacked
+* **shrink** ``s_i[rows of e] = x[tokens of e] @ A_i[e]^T``: the stacked
   ``A_i`` [L, 1, r, K] read in place at slot ``e``;
-* **expand** ``out[rows of e, off_i : off_i + n_i] = s_i[rows of e] @ B_i[e]^T``:
-  the stacked ``B_i`` [L, 1, n_i, r], written at the slice's columns.
+* **expand** ``y[tokens of e, off_i : off_i + n_i] += s_i[rows of e] @ B_i[e]^T``:
+  the stacked ``B_i`` [L, 1, n_i, r], added into the output in place.
 
-All shrink phases come first, then all expand phases, so each ``s_i`` is
-complete before it is read.  Each phase is the best plain matmul program for
-its rows (templates cached per shape), so an adapter's weights are read once
-per step however many of its tokens the batch holds, and a slot no token uses
-costs nothing.  The adapters' scaling is folded into ``B`` by vLLM's loader.
+``sgmv_indexed`` reads the tokens' rows of ``x`` and ``y`` through an int32
+row table (``Load.rows`` / ``Store.rows``: one DMA descriptor per row, as paged
+attention reads its pages), so the whole projection is this one launch.
+``sgmv`` is the form over rows grouped beforehand (its producer gathers them
+and adds the deltas back), for what the indexed form cannot express.  All
+shrink phases come first, then all expand phases, so each ``s_i`` is complete
+before it is read.  Each phase is the best plain matmul program for its rows
+(templates cached per shape), so an adapter's weights are read once per step
+however many of its tokens the batch holds, and a slot no token uses costs
+nothing.  The adapters' scaling is folded into ``B`` by vLLM's loader.
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ def sgmv_indexed(
     dtype: torch.dtype,
     *,
     tokens: int,
+    starts: tuple[int | None, ...] | None = None,
     table_rows: int | None = None,
     config: HardwareConfig | None = None,
 ) -> GroupedProgram:
@@ -138,18 +144,21 @@ def sgmv_indexed(
 
     As ``sgmv``, but the rows are not grouped beforehand: operand ``rows``
     [R, 1] int32 lists the LoRA tokens in slot order (``counts[e]`` of slot
-    ``e``), and each phase gathers its tokens' rows of ``x`` [T, K] through
-    it (one DMA descriptor per row, as paged attention reads its pages) and
-    adds its deltas into the same rows of ``y`` [T, N] in place (load, add,
-    store: rows of one phase are distinct, and phases run one after
-    another).  ``live[i][e]``: slot ``e`` holds weights for slice ``i``; a
-    dead (slice, slot) costs nothing.  ``s{i}`` [R, r] is scratch.  The
-    slices' column offsets in ``y`` must be whole sticks.  ``table_rows``:
-    the rows of the ``rows`` operand (a fixed buffer; at least R).
+    ``e``).  A slot whose tokens are one run ``starts[e] ..`` of ``x`` [T, K]
+    and ``y`` [T, N] (a prefill, adjacent decodes) reads and writes that block
+    directly; any other slot's phases gather its rows of ``x`` through the
+    table (one DMA descriptor per row, as paged attention reads its pages)
+    and add into the same rows of ``y`` (load, add, store: rows of one phase
+    are distinct, and phases run one after another).  ``live[i][e]``: slot
+    ``e`` holds weights for slice ``i``; a dead (slice, slot) costs nothing.
+    ``s{i}`` [R, r] is scratch.  The slices' column offsets in ``y`` must be
+    whole sticks.  ``table_rows``: the rows of the ``rows`` operand (a fixed
+    buffer; at least R).
     """
     cfg = config or HardwareConfig()
     num = len(counts)
     r = sum(counts)
+    starts = starts or (None,) * num
     lay = SpyreTensorLayout.default
     n_total = sum(slices)
     x_l, y_l = lay((tokens, k), dtype), lay((tokens, n_total), dtype)
@@ -164,17 +173,21 @@ def sgmv_indexed(
         for e, row0, rows in _phases(counts):
             if not live[i][e]:
                 continue
-            p = _gathered(_matmul_template(rows, k, rank, dtype, cfg), "a")
-            p = rebase(p, "a", x_l, rename="x")
-            p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
+            t0 = starts[e]
+            gather = t0 is None
+            p = _shrink_template(rows, k, rank, dtype, gather, cfg)
+            p = rebase(p, "a", x_l, offsets=(0 if gather else t0, 0), rename="x")
+            if gather:
+                p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
             p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
             p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
             shrinks.append(_named(p, f"shrink{i}_slot{e}_{rows}rows"))
-            p = _accumulated(_accumulate_template(rows, rank, n, dtype, cfg))
+            p = _expand_template(rows, rank, n, dtype, gather, cfg)
             p = rebase(p, "a", s_l, offsets=(row0, 0), rename=f"s{i}")
-            p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
+            if gather:
+                p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
             p = rebase(p, "b", b_l, lead=(e, 0), perm=(1, 0), rename=f"b{i}")
-            p = rebase(p, "out", y_l, offsets=(0, off), rename="y")
+            p = rebase(p, "out", y_l, offsets=(0 if gather else t0, off), rename="y")
             expands.append(_named(p, f"expand{i}_slot{e}_{rows}rows"))
         off += n
     if not expands:
@@ -185,23 +198,50 @@ def sgmv_indexed(
     )
 
 
+def _splits(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig, split_k: bool):
+    pows = [1 << j for j in range(cfg.cores.bit_length()) if 1 << j <= cfg.cores]
+    se = stick_elems(dtype)
+    return [
+        (pm, pn, pk)
+        for pm in pows
+        for pn in pows
+        for pk in (pows if split_k else [1])
+        if pm * pn * pk <= cfg.cores and pm <= rows and pn <= -(-n // se) and pk <= k
+    ]
+
+
 @lru_cache(maxsize=512)
-def _accumulate_template(
-    rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig
+def _shrink_template(
+    rows: int, k: int, n: int, dtype: torch.dtype, gather: bool, cfg: HardwareConfig
 ) -> Program:
-    """The fastest matmul of ``rows x k x n`` whose K is not split over cores
-    (each output tile is then loaded, added to and stored by one core)."""
+    """The fastest ``rows x k x n`` matmul, its ``a`` rows gathered through a
+    row table when ``gather`` (the search costs the descriptors)."""
     from torch_spyre.kernels.basic import matmul
     from torch_spyre.kernels.search import search
 
-    pows = [1 << j for j in range(cfg.cores.bit_length()) if 1 << j <= cfg.cores]
-    se = stick_elems(dtype)
-    splits = [
-        (pm, pn, 1) for pm in pows for pn in pows if pm * pn <= cfg.cores and pm <= rows
-        and pn <= -(-n // se)
-    ]  # fmt: skip
-    found = search(splits, lambda sp: matmul(rows, n, k, dtype, split=sp, config=cfg), cfg)
-    return found.result
+    if not gather:
+        return _matmul_template(rows, k, n, dtype, cfg)
+
+    def build(sp):
+        return _gathered(matmul(rows, n, k, dtype, split=sp, config=cfg), "a")
+
+    return search(_splits(rows, k, n, dtype, cfg, True), build, cfg).result
+
+
+@lru_cache(maxsize=512)
+def _expand_template(
+    rows: int, k: int, n: int, dtype: torch.dtype, gather: bool, cfg: HardwareConfig
+) -> Program:
+    """The fastest ``rows x k x n`` matmul adding into its output in place (K
+    not split over cores: each output tile is loaded, added to and stored by
+    one core), through a row table when ``gather``."""
+    from torch_spyre.kernels.basic import matmul
+    from torch_spyre.kernels.search import search
+
+    def build(sp):
+        return _accumulated(matmul(rows, n, k, dtype, split=sp, config=cfg), gather)
+
+    return search(_splits(rows, k, n, dtype, cfg, False), build, cfg).result
 
 
 def _gathered(p: Program, operand: str) -> Program:
@@ -213,39 +253,43 @@ def _gathered(p: Program, operand: str) -> Program:
             steps.append(Load("idx_t", "idx", ("m", None), st.loops))
             st = Load(**{**st.__dict__, "rows": "idx_t", "rows_dim": 0})
         steps.append(st)
-    m = next(d for d in p.dims if d.name == "m")
-    return Program(
-        p.name,
-        p.dims,
-        (*p.operands, Operand("idx", SpyreTensorLayout.default((m.size, 1), I32), "input")),
-        (*p.buffers, Buffer("idx_t", ("m",), I32)),
-        tuple(steps),
-        p.loop_order,
-        dict(p.meta),
-    )
+    return _with_table(p, tuple(steps), ())
 
 
-def _accumulated(p: Program) -> Program:
-    """``p`` adding its result into the rows of ``out`` named by the row table
-    ``idx`` (``out[idx[m]] += acc[m]``: load, add, store)."""
+def _accumulated(p: Program, gather: bool) -> Program:
+    """``p`` adding its result into ``out`` (``out[m] += acc[m]``: load, add,
+    store), into the rows named by the row table ``idx`` when ``gather``."""
     steps = []
     dtype = next(b.dtype for b in p.buffers if b.name == "b_t")
+    table = {"rows": "idx_t", "rows_dim": 0} if gather else {}
     for st in p.steps:
         if isinstance(st, Store) and st.operand == "out":
+            if gather:
+                steps.append(Load("idx_t", "idx", ("m", None), st.loops))
             steps += [
-                Load("idx_t", "idx", ("m", None), st.loops),
-                Load("old_t", "out", st.index, st.loops, rows="idx_t", rows_dim=0),
+                Load("old_t", "out", st.index, st.loops, **table),  # type: ignore[arg-type]
                 Vector("add", st.buffer, (st.buffer, "old_t"), (), st.loops),
             ]
-            st = Store(**{**st.__dict__, "rows": "idx_t", "rows_dim": 0})
+            st = Store(**{**st.__dict__, **table})
         steps.append(st)
+    old = (Buffer("old_t", ("m", "n"), dtype),)
+    if not gather:
+        return Program(
+            p.name, p.dims, p.operands, (*p.buffers, *old), tuple(steps), p.loop_order,
+            dict(p.meta),
+        )  # fmt: skip
+    return _with_table(p, tuple(steps), old)
+
+
+def _with_table(p: Program, steps: tuple, buffers: tuple) -> Program:
+    """``p`` with ``steps``, the row-table operand ``idx`` and its LX buffer."""
     m = next(d for d in p.dims if d.name == "m")
     return Program(
         p.name,
         p.dims,
         (*p.operands, Operand("idx", SpyreTensorLayout.default((m.size, 1), I32), "input")),
-        (*p.buffers, Buffer("idx_t", ("m",), I32), Buffer("old_t", ("m", "n"), dtype)),
-        tuple(steps),
+        (*p.buffers, Buffer("idx_t", ("m",), I32), *buffers),
+        steps,
         p.loop_order,
         dict(p.meta),
     )

@@ -7,11 +7,13 @@ for base-model tokens.  The batch's grouping comes from the host (the LoRA
 mapping is host state): ``index.counts`` (tokens per slot) and, on the card,
 the LoRA tokens ordered by slot (``index.rows``, int32 ``[M, 1]`` for the
 kernel, int64 ``[M]`` for gathers) and each token's grouped row
-(``index.inv``).  On spyre it is **one grouped kernel**
+(``index.inv``), and each slot's first row when its rows are one run
+(``index.starts``).  On spyre it is **one grouped kernel**
 (``kernels.lora.sgmv_indexed``): per live (slice, slot with tokens), a shrink
-phase gathering the slot's token rows of ``x`` through the row table, then an
-expand phase adding into the same rows of ``y``; the stacked weights are read
-in place.  Nothing else runs: no copies, no zero fill.
+phase reading the slot's token rows of ``x`` (in place when they are one run,
+else gathered through the row table), then an expand phase adding into the
+same rows of ``y``; the stacked weights are read in place.  Nothing else
+runs: no copies, no zero fill.
 
 When the indexed program cannot express the projection (a slice's columns of
 ``y`` do not start on a stick; ``y`` in another dtype than the weights, as an
@@ -45,6 +47,8 @@ class RowIndex:
     rows: torch.Tensor  # int64 [M]: the LoRA rows in slot order (first sum(counts))
     rows32: torch.Tensor  # int32 [M, 1]: the same, the kernel's row table
     inv: torch.Tensor  # int64 [M]: each row's grouped row, sum(counts) for none
+    #: host: each slot's first row when its rows are one run (read in place), else None
+    starts: tuple[int | None, ...] = ()
 
 
 def group_rows(
@@ -69,6 +73,17 @@ def group_rows(
     return tuple(int(c) for c in counts), rows, inv
 
 
+def runs(counts: tuple[int, ...], rows: np.ndarray) -> tuple[int | None, ...]:
+    """Each slot's first row when its rows (``rows``, in slot order) are one run."""
+    out: list[int | None] = []
+    row0 = 0
+    for c in counts:
+        mine = rows[row0 : row0 + c]
+        out.append(int(mine[0]) if c and int(mine[-1]) - int(mine[0]) == c - 1 else None)
+        row0 += c
+    return tuple(out)
+
+
 def row_index(slots: np.ndarray, num_slots: int, max_rows: int, device) -> RowIndex:
     """A new ``RowIndex`` for rows' slots (-1: none), its tables on ``device``."""
     counts, rows, inv = group_rows(slots, num_slots, max_rows)
@@ -77,6 +92,7 @@ def row_index(slots: np.ndarray, num_slots: int, max_rows: int, device) -> RowIn
         torch.from_numpy(rows).to(device),
         torch.from_numpy(rows.astype(np.int32)).reshape(-1, 1).to(device),
         torch.from_numpy(inv).to(device),
+        runs(counts, rows),
     )
 
 
@@ -179,13 +195,23 @@ def _indexed(y, x, index: RowIndex, a, b, live) -> bool:
     slices = tuple(int(bi.shape[2]) for bi in b)
     dev = x.device
     m = index.rows32.shape[0]
-    key = ("lora_sgmv_indexed", counts, k, rank, slices, live, x.dtype, t, m)
+    starts = index.starts or (None,) * len(counts)
+    key = ("lora_sgmv_indexed", counts, starts, k, rank, slices, live, x.dtype, t, m)
     cfg = cards.config(dev.index or 0)
     kern = _kernel(
         key,
         lambda: lora.sgmv_indexed(
-            counts, k, rank, slices, live, x.dtype, tokens=t, table_rows=m, config=cfg
-        ),
+            counts,
+            k,
+            rank,
+            slices,
+            live,
+            x.dtype,
+            tokens=t,
+            starts=starts,
+            table_rows=m,
+            config=cfg,
+        ),  # fmt: skip
     )
     if kern.program is None:
         return False

@@ -193,6 +193,7 @@ class Grouping:
             self.index.rows32.copy_(torch.from_numpy(rows.astype(np.int32)).reshape(-1, 1))
             self.index.inv.copy_(torch.from_numpy(inv))
         self.index.counts = counts
+        self.index.starts = lora_ops.runs(counts, rows)
 
 
 @torch.library.custom_op("spyre::punica_sgmv", mutates_args=("y",))
