@@ -85,8 +85,9 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         self.tokens.update(self.token_lora_indices.numpy())
         self.sampled.update(self.sampler_indices.numpy())
-        global _active
+        global _active, _step_has_lora
         _active = self
+        _step_has_lora = any(self.tokens.counts)
 
     # -- what the LoRA layers call ------------------------------------------
     def add_lora_linear(
@@ -110,6 +111,8 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
             )
         if y.dim() != 2 or x.dim() != 2:
             raise NotImplementedError(f"spyre LoRA: y {tuple(y.shape)}, x {tuple(x.shape)}")
+        if not _step_has_lora:
+            return y  # see _step_has_lora
         torch.ops.spyre.punica_sgmv(y, x, list(lora_a_stacked), list(lora_b_stacked), False)
         return y
 
@@ -133,6 +136,8 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
         by token id), the same grouped program without the shrink."""
         if y.dim() != 2 or x.dim() != 2:
             raise NotImplementedError(f"spyre LoRA: y {tuple(y.shape)}, x {tuple(x.shape)}")
+        if not _step_has_lora:
+            return y
         torch.ops.spyre.punica_sgmv(y, x.to(lora_b_stacked.dtype), [], [lora_b_stacked], False)
         return y
 
@@ -166,6 +171,11 @@ _REFUSED = (
 
 #: the wrapper whose metadata the op reads (the language model's: one per process)
 _active: SpyrePunicaWrapper | None = None
+#: the step has tokens with an adapter.  The LoRA layers' calls are skipped when
+#: it is False, and Dynamo guards on it: each token bucket compiles two graphs, one
+#: without the LoRA ops (a step of base-model requests keeps the compiler's fusions,
+#: e.g. the QKV matmul with the rotary epilogue, the SwiGLU MLP) and one with them
+_step_has_lora = False
 
 
 class Grouping:
