@@ -62,7 +62,6 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
         super().__init__(max_num_batched_tokens, max_batches, "cpu")
         lora_config = kwargs.get("lora_config")
         self.slots = int(lora_config.max_loras) if lora_config is not None else 0
-        self.max_tokens = max_num_batched_tokens
         #: the step's grouping: of its tokens (projections) and sampled rows (LM head)
         self.tokens = Grouping(self.slots, max_num_batched_tokens)
         self.sampled = Grouping(self.slots, max_num_batched_tokens)
