@@ -206,3 +206,65 @@ def test_adapter_removed_and_readded(lora_llm, adapters, tiny_llama_dir, tiny_ll
     assert engine.add_lora(req)
     assert 1 in engine.list_loras()
     assert _generate(lora_llm, prompts, [req, None]) == [want, base]
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.slow
+def test_server_loads_and_unloads_an_adapter(vllm_server, tmp_path):
+    """`vllm serve --enable-lora`: /v1/load_lora_adapter adds a peft adapter of
+    SmolLM2 at run time, completions name it, /v1/unload_lora_adapter drops it."""
+    import json
+    import urllib.request
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from torch_spyre.models.offline import folder
+
+    model = str(folder("smollm2"))
+    torch.manual_seed(7)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    peft_model = get_peft_model(
+        base, LoraConfig(r=RANK, target_modules=QV, init_lora_weights=False)
+    )
+    peft_model.save_pretrained(tmp_path / "adapter")
+    url, _, log = vllm_server(
+        model,
+        "--served-model-name", "smollm2", "--dtype", "float16", "--max-model-len", "256",
+        "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+        "--kv-cache-memory-bytes", str(32 << 20),
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", str(RANK),
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "TORCH_SPYRE_VLLM_WARMUP": "none"},
+    )  # fmt: skip
+    body = {"prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0}
+    code, text = _post(
+        url + "/v1/load_lora_adapter",
+        {"lora_name": "counting", "lora_path": str(tmp_path / "adapter")},
+    )
+    assert code == 200, text
+    models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())
+    assert "counting" in {m["id"] for m in models["data"]}
+    code, text = _post(url + "/v1/completions", {"model": "counting", **body})
+    assert code == 200, text
+    assert json.loads(text)["choices"][0]["text"]
+    code, text = _post(url + "/v1/unload_lora_adapter", {"lora_name": "counting"})
+    assert code == 200, text
+    code, text = _post(url + "/v1/completions", {"model": "counting", **body})
+    assert code == 404, text
+    code, text = _post(url + "/v1/completions", {"model": "smollm2", **body})
+    assert code == 200, text
+    assert "spyre: LoRA weight stacks in device memory" in log.read_text()
