@@ -166,9 +166,10 @@ def test_mixed_adapter_batch_equals_peft(
     # --max-loras slots of --max-lora-rank: A [4, 1, 8, hidden], B [4, 1, q out, 8]
     assert state["stack_shapes"] == {((N_ADAPTERS, 1, RANK, 128), (N_ADAPTERS, 1, 128, RANK))}
     # the compiled forward: per token bucket a graph with the LoRA op (an opaque
-    # node) and one without it (steps of base-model requests only)
+    # node) and one without it (steps of base-model requests only), both compiled
+    # by the warm-up, none since
     compiled = state["compiled"]
-    assert compiled is not None and compiled["graphs"] <= 2 * len(compiled["buckets"])
+    assert compiled is not None and compiled["graphs"] == 2 * len(compiled["buckets"])
     assert sorted(i for i in state["slots"] if i is not None) == [1, 2, 3, 4]
     # which slots hold weights, per slice: the q/v adapter has none for k, o, the MLP
     qv = state["slots"].index(N_ADAPTERS)

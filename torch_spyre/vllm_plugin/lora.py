@@ -33,6 +33,8 @@ modules are refused with an error naming them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -175,6 +177,19 @@ _active: SpyrePunicaWrapper | None = None
 #: without the LoRA ops (a step of base-model requests keeps the compiler's fusions,
 #: e.g. the QKV matmul with the rotary epilogue, the SwiGLU MLP) and one with them
 _step_has_lora = False
+
+
+@contextmanager
+def lora_graph() -> Iterator[None]:
+    """Run the forward as a step with adapter tokens (the model runner's warm-up
+    compiles each bucket's LoRA graph with it; no token has a slot, so the LoRA
+    ops run nothing)."""
+    global _step_has_lora
+    before, _step_has_lora = _step_has_lora, True
+    try:
+        yield
+    finally:
+        _step_has_lora = before
 
 
 class Grouping:

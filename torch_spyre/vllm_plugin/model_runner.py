@@ -163,6 +163,11 @@ class SpyreModelRunner(CPUModelRunner):
                 pos = torch.zeros(b, dtype=_dtype(self.positions))
                 with set_forward_context(None, self.vllm_config, num_tokens=b):
                     hidden = self.compiled.warm_up(ids, pos)
+                    if self.lora_config:  # the bucket's graph with the LoRA ops too
+                        from torch_spyre.vllm_plugin import lora
+
+                        with lora.lora_graph():
+                            self.compiled.warm_up(ids, pos)
                 logger.info(
                     "spyre: warm-up %d/%d: the %d-token bucket compiled in %.1f s",
                     i, len(sizes), b, time.perf_counter() - t0,
