@@ -14,15 +14,17 @@ batch's adapter deltas.  Here:
   of the card stacks when it is activated (host-to-card copies).
 * **the punica metadata goes to the card each step.**  ``update_metadata``
   groups the step's LoRA tokens by adapter slot on the host (vLLM's mapping
-  is host state): tokens per slot, the tokens in slot order and each token's
-  grouped row, the latter two copied into fixed card buffers (two copies per
-  step, only when the step has LoRA tokens).
+  is host state): tokens per slot, the tokens in slot order (int64 and the
+  kernel's int32 row table) and each token's grouped row, the last three
+  copied into fixed card buffers (three small copies per step, only when the
+  step has LoRA tokens); the same for the sampled rows (the LM head).
 * **one program per projection.**  ``add_lora_linear`` is the op
   ``spyre::punica_sgmv``: the grouped shrink/expand kernel of every slice of
   the projection for the whole batch (``ops/lora.py``, ``kernels/lora.py``),
   an opaque node in compiled graphs that reads the step's grouping when it
-  runs.  A step without LoRA tokens runs nothing, and nor does a slice or a
-  layer the step's adapters hold no weights for (``track_live_slots``).
+  runs.  A slice or a layer the step's adapters hold no weights for runs
+  nothing (``track_live_slots``); a step without LoRA tokens runs a graph
+  without the LoRA calls (``_step_has_lora``).
 
 vLLM wraps the embedding and the logits processor too: the embedding's LoRA
 gathers its ``A`` rows by token id on the card and runs the same grouped
