@@ -22,6 +22,8 @@ cost with the timing model, keep the fastest).  Where things are:
 ``flash``           flash attention (dense and paged KV)
 ``swiglu``          the fused SwiGLU MLP
 ``moe``             mixture-of-experts experts as one grouped program
+``lora``            multi-LoRA shrink/expand of a batch's adapters (SGMV), one
+                    grouped program per projection
 ``ssd``             Mamba-2 scans (chunked and single step), the gated norm
 ``ssm``             the causal depthwise conv1d
 ``recurrent``       RNN/LSTM/GRU: the input projection, one timestep

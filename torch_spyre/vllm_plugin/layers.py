@@ -260,7 +260,8 @@ class SpyreLogitsProcessor(LogitsProcessor):
     """The LM head on the card; the logits come back to the host for the sampler."""
 
     def forward(self, lm_head, hidden_states, embedding_bias=None, skip_gather=False):
-        logits = super().forward(lm_head, hidden_states, embedding_bias, skip_gather)
+        # not super(): vLLM's LogitsProcessorWithLoRA calls this function on itself
+        logits = LogitsProcessor.forward(self, lm_head, hidden_states, embedding_bias, skip_gather)
         return None if logits is None else logits.to(HOST)
 
 

@@ -105,6 +105,16 @@ class SpyreModelRunner(CPUModelRunner):
             time.perf_counter() - t0,
         )
 
+    def load_lora_model(self, model, vllm_config, device):
+        """vLLM wraps the LoRA layers with their weight stacks on the host (the
+        runner's device); they move to the card here (vllm_plugin/lora.py)."""
+        from torch_spyre.vllm_plugin import lora
+
+        model = super().load_lora_model(model, vllm_config, device)
+        mib = lora.stacks_to_card(model) / 2**20
+        logger.info("spyre: LoRA weight stacks in device memory: %.1f MiB", mib)
+        return model
+
     def _max_logit_rows(self) -> int:
         """Rows the LM head runs on in one step: one per request, or with
         speculative decoding the k+1 verified positions of each (never more
@@ -153,6 +163,11 @@ class SpyreModelRunner(CPUModelRunner):
                 pos = torch.zeros(b, dtype=_dtype(self.positions))
                 with set_forward_context(None, self.vllm_config, num_tokens=b):
                     hidden = self.compiled.warm_up(ids, pos)
+                    if self.lora_config:  # the bucket's graph with the LoRA ops too
+                        from torch_spyre.vllm_plugin import lora
+
+                        with lora.lora_graph():
+                            self.compiled.warm_up(ids, pos)
                 logger.info(
                     "spyre: warm-up %d/%d: the %d-token bucket compiled in %.1f s",
                     i, len(sizes), b, time.perf_counter() - t0,

@@ -185,9 +185,13 @@ class SpyrePlatform(Platform):
             model.enforce_eager = True
 
         vllm_config.scheduler_config.async_scheduling = False
-        if vllm_config.lora_config is not None:
-            raise NotImplementedError("LoRA is not supported on spyre")
         _check_speculative(vllm_config.speculative_config)
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        # multi-LoRA: adapters' stacks on the card, one grouped program per
+        # projection (vllm_plugin/lora.py)
+        return "torch_spyre.vllm_plugin.lora.SpyrePunicaWrapper"
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
