@@ -1,12 +1,27 @@
-"""Draft-model speculative decoding on spyre (vllm_plugin/drafter.py, draft_kernels.py).
+"""Model-based speculative decoding on spyre: draft models and EAGLE heads
+(vllm_plugin/drafter.py, draft_kernels.py).
 
-The target is the tests' tiny random llama (2 layers); the draft is the same
-weights truncated to its first layer (so its guesses are sometimes the
-target's: acceptance above zero). Both run on the card in fp32: the target
-compiled per bucket, the draft eagerly; their weights and paged KV caches in
-device memory; no host fallback. Greedy output with speculation is token for
-token the output without it (and transformers' on the CPU) for a batch of
-prompts of different lengths, and vLLM's counters show accepted drafts.
+* draft model: the target is the tests' tiny random llama (2 layers); the
+  draft is the same weights truncated to its first layer (so its guesses are
+  sometimes the target's: acceptance above zero);
+* EAGLE: vLLM's ``EagleLlamaForCausalLM`` from a tiny EAGLE checkpoint (one
+  decoder layer and ``fc``, the target's embedding and LM head shared) over a
+  one-layer tiny llama. The head is the target's own layer with ``fc`` passing
+  the next token's embedding through, and the target's attention output is
+  damped (``o_proj`` x 0.02), so the head's guess is often the target's next
+  token: acceptance above zero while attention still decides some tokens;
+* EAGLE-3: vLLM's ``Eagle3LlamaForCausalLM`` from a tiny random EAGLE-3
+  checkpoint over the 2-layer tiny llama, fed the target's embeddings and
+  both layers' outputs (``eagle_aux_hidden_state_layer_ids`` [0, 1, 2]: the
+  compiled target forward returns them beside its hidden states). A random
+  head's drafts are rejected; the test checks the tokens, that drafts were
+  made and where everything ran.
+
+Both run on the card in fp32: the target compiled per bucket, the drafter
+eagerly; their weights and paged KV caches in device memory; no host
+fallback. Greedy output with speculation is token for token the output
+without it (and transformers' on the CPU) for a batch of prompts of
+different lengths, and vLLM's counters show accepted drafts.
 """
 
 from __future__ import annotations
@@ -41,6 +56,78 @@ def draft_dir(tiny_llama_dir: str, tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory) -> tuple[str, str]:
+    """(a one-layer tiny llama, an EAGLE head for it): see the module docstring."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    target = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target.model.layers[0].self_attn.o_proj.weight.mul_(0.02)
+    target_dir = tmp_path_factory.mktemp("tiny_llama_1l")
+    target.save_pretrained(target_dir)
+    # EAGLE checkpoint names: "layers.0....", "fc.weight" (no input_layernorm:
+    # vLLM's EAGLE layer 0 has none; no embedding / LM head: the target's)
+    head = {
+        k.removeprefix("model."): v.clone()
+        for k, v in target.state_dict().items()
+        if k.startswith("model.layers.0.") and "input_layernorm" not in k
+    }
+    h = cfg.hidden_size
+    head["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)  # [embed, hidden]
+    eagle_dir = tmp_path_factory.mktemp("tiny_eagle")
+    save_file(head, str(eagle_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(eagle_dir)
+    return str(target_dir), str(eagle_dir)
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory) -> str:
+    """A random EAGLE-3 head (one ``midlayer``, ``fc`` over 3 target layers'
+    states) for the tests' tiny llama, in EAGLE-3 checkpoint names."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    g = torch.Generator().manual_seed(2)
+    h, inter, kv = 128, 256, 64  # kv: 2 heads x 32
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    head = {
+        "midlayer.self_attn.q_proj.weight": r(h, 2 * h),  # [embeds, hidden] in
+        "midlayer.self_attn.k_proj.weight": r(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": r(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": r(h, h),
+        "midlayer.mlp.gate_proj.weight": r(inter, h),
+        "midlayer.mlp.up_proj.weight": r(inter, h),
+        "midlayer.mlp.down_proj.weight": r(h, inter),
+        "fc.weight": r(h, 3 * h),
+        **{
+            f"{n}.weight": torch.ones(h)
+            for n in ("midlayer.input_layernorm", "midlayer.hidden_norm",
+                      "midlayer.post_attention_layernorm", "norm")
+        },
+    }  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=h, intermediate_size=inter, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    cfg.eagle_aux_hidden_state_layer_ids = [0, 1, 2]
+    path = tmp_path_factory.mktemp("tiny_eagle3")
+    save_file(head, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(path)
+    return str(path)
+
+
 def _placement(worker) -> dict:
     """Where the drafter's weights and KV cache live, and what ran."""
     r = worker.model_runner
@@ -54,6 +141,7 @@ def _placement(worker) -> dict:
         "draft_kv": {ctx[n].kv_cache.device.type for n in names},
         "kv_layers": len({t.data_ptr() for t in r.kv_caches}),
         "compiled": r.compiled is not None,
+        "aux_layers": tuple(getattr(r.model.model, "aux_hidden_state_layers", ())),
     }
 
 
@@ -117,4 +205,45 @@ def test_draft_model_greedy_equals_no_speculation(
     assert pl["weights"] == {"spyre"}
     assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
     assert pl["kv_layers"] == 3  # the target's 2 attention layers + the draft's 1
+    assert got["fallbacks"] == {}
+
+
+@pytest.mark.slow
+def test_eagle_greedy_equals_no_speculation(eagle_pair, hf_greedy):
+    from transformers import LlamaForCausalLM
+
+    target_dir, eagle_dir = eagle_pair
+    ref = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    want = [hf_greedy(ref, p, N_TOKENS) for p in PROMPTS]
+    spec = {"method": "eagle", "model": eagle_dir, "num_speculative_tokens": 3}
+    got = _generate(target_dir, spec)
+    base = _generate(target_dir, None)
+    assert base["tokens"] == want
+    for p, w, g in zip(PROMPTS, base["tokens"], got["tokens"]):
+        assert g == w, len(p)
+    c = got["counters"]
+    assert c["vllm:spec_decode_num_draft_tokens"] > 0
+    assert c["vllm:spec_decode_num_accepted_tokens"] > 0
+    pl = got["placement"]
+    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
+    assert pl["weights"] == {"spyre"}  # fc and the layer; embedding and head are the target's
+    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
+    assert pl["kv_layers"] == 2  # the target's attention layer + the head's
+    assert got["fallbacks"] == {}
+
+
+@pytest.mark.slow
+def test_eagle3_greedy_equals_no_speculation(tiny_llama_dir, eagle3_dir, tiny_llama_ref, hf_greedy):
+    want = [hf_greedy(tiny_llama_ref, p, N_TOKENS) for p in PROMPTS]
+    spec = {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}
+    got = _generate(tiny_llama_dir, spec)
+    for p, w, g in zip(PROMPTS, want, got["tokens"]):
+        assert g == w, len(p)
+    assert got["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+    pl = got["placement"]
+    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
+    assert pl["weights"] == {"spyre"}
+    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
+    assert pl["kv_layers"] == 3  # the target's 2 attention layers + the head's
+    assert pl["aux_layers"] == (0, 1, 2)
     assert got["fallbacks"] == {}

@@ -1,4 +1,4 @@
-"""Model-based speculative drafters on the card (draft model, EAGLE).
+"""Model-based speculative drafters on the card (draft model, EAGLE, EAGLE-3).
 
 vLLM's ``SpecDecodeBaseProposer`` (``DraftModelProposer``, ``EagleProposer``)
 is created by the runner (``GPUModelRunner.__init__``) and loads its model in
@@ -17,6 +17,11 @@ The drafter's forward runs eagerly on the card (spyre kernels, no graph):
 vLLM calls ``proposer.model(...)`` directly, at the step's own token count.
 The drafter's bookkeeping (its input buffers, slot mappings, the draft
 token ids) stays on the host with vLLM's, prepared by draft_kernels.py.
+EAGLE heads take the target's hidden states: vLLM copies them into the
+proposer's host buffer and the pre-hook moves them back (a round trip of
+[tokens, hidden] per draft pass). EAGLE-3 heads also take some target layers'
+outputs: the compiled target forward returns them (compile.py, vLLM's
+``aux_hidden_state_layers``).
 """
 
 from __future__ import annotations

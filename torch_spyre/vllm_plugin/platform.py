@@ -233,14 +233,14 @@ _SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
 
 
 #: speculative decoding methods the spyre model runner serves
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _check_speculative(spec) -> None:
     """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
-    or a draft model on the card (drafter.py: its weights and paged KV cache
-    in device memory, its forward eager spyre kernels, its input kernels in
-    torch ops, draft_kernels.py); the verification forward over every
+    or a draft model or EAGLE head on the card (drafter.py: its weights and
+    paged KV cache in device memory, its forward eager spyre kernels, its
+    input kernels in torch ops, draft_kernels.py); the verification forward over every
     request's k+1 positions on the card (one compiled forward per step),
     rejection sampling in torch ops (spec_decode.py).  Other methods are
     refused here, naming what works."""
@@ -251,8 +251,9 @@ def _check_speculative(spec) -> None:
             f"spyre: speculative decoding method {spec.method!r} is not supported; "
             f"supported: {', '.join(SPEC_METHODS)} (e.g. speculative_config="
             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-            '"prompt_lookup_min": 2} or {"method": "draft_model", "model": <a smaller '
-            'model with the same vocabulary>, "num_speculative_tokens": 3})'
+            '"prompt_lookup_min": 2}, {"method": "draft_model", "model": <a smaller '
+            'model with the same vocabulary>, "num_speculative_tokens": 3} or '
+            '{"method": "eagle", "model": <an EAGLE head>, "num_speculative_tokens": 3})'
         )
     if spec.rejection_sample_method != "standard":
         raise NotImplementedError(
