@@ -178,6 +178,11 @@ def _generate(path: str, spec: dict | None) -> dict:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+    if spec:
+        print(
+            f"\n{spec['method']}: drafted {counters.get('vllm:spec_decode_num_draft_tokens', 0):.0f}, "
+            f"accepted {counters.get('vllm:spec_decode_num_accepted_tokens', 0):.0f}"
+        )
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "fallbacks": fallbacks,
