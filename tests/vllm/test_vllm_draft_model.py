@@ -15,7 +15,12 @@
   both layers' outputs (``eagle_aux_hidden_state_layer_ids`` [0, 1, 2]: the
   compiled target forward returns them beside its hidden states). A random
   head's drafts are rejected; the test checks the tokens, that drafts were
-  made and where everything ran.
+  made and where everything ran;
+* MTP: a tiny DeepSeek-V3 (MoE, latent attention in its expanded form) with
+  one multi-token-prediction layer (``num_nextn_predict_layers=1``, vLLM's
+  ``DeepSeekMTP``), random weights (vLLM's dummy loader: transformers saves
+  no MTP layer), so the check is the tokens against the same model without
+  speculation, that drafts were made, and where everything ran.
 
 Both run on the card in fp32: the target compiled per bucket, the drafter
 eagerly; their weights and paged KV caches in device memory; no host
@@ -145,7 +150,7 @@ def _placement(worker) -> dict:
     }
 
 
-def _generate(path: str, spec: dict | None) -> dict:
+def _generate(path: str, spec: dict | None, **llm_kwargs) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -159,6 +164,7 @@ def _generate(path: str, spec: dict | None) -> dict:
         seed=0,
         disable_log_stats=False,  # vLLM's spec-decode counters
         speculative_config=spec,
+        **llm_kwargs,
     )
     try:
         torch_spyre.reset_fallback_counts()
@@ -251,4 +257,37 @@ def test_eagle3_greedy_equals_no_speculation(tiny_llama_dir, eagle3_dir, tiny_ll
     assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
     assert pl["kv_layers"] == 3  # the target's 2 attention layers + the head's
     assert pl["aux_layers"] == (0, 1, 2)
+    assert got["fallbacks"] == {}
+
+
+@pytest.mark.slow
+def test_mtp_greedy_equals_no_speculation(tmp_path):
+    """DeepSeek's MTP layer: vLLM's ``@support_torch_compile`` model class
+    calls ``forward`` past nn.Module hooks; the drafter's inputs still reach
+    the card (drafter.py wraps ``forward``)."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+    )  # fmt: skip
+    cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
+    cfg.num_nextn_predict_layers = 1
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    got = _generate(path, spec, load_format="dummy")
+    base = _generate(path, None, load_format="dummy")
+    for p, w, g in zip(PROMPTS, base["tokens"], got["tokens"]):
+        assert g == w, len(p)
+    assert got["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+    pl = got["placement"]
+    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
+    assert pl["weights"] == {"spyre"}
+    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
+    assert pl["kv_layers"] == 3  # the target's 2 attention layers + the MTP layer's
     assert got["fallbacks"] == {}

@@ -5,9 +5,9 @@ is created by the runner (``GPUModelRunner.__init__``) and loads its model in
 ``CPUModelRunner.load_model`` on the host, with the spyre layers (layers.py).
 Here that model goes to the card the way the target does: rotary tables as
 buffers, every weight and buffer in device memory (an EAGLE head's shared
-embedding and LM head are the target's modules, already there), and a forward
-pre-hook that moves the step's host ids, positions (and EAGLE's hidden-state
-buffer) to the card. Its attention layers are ordinary vLLM ``Attention``
+embedding and LM head are the target's modules, already there), and its
+forward wrapped to move the step's host ids, positions (and EAGLE's
+hidden-state buffer) to the card. Its attention layers are ordinary vLLM ``Attention``
 layers: their paged KV tensors are allocated on the card with the target's
 (``SpyreModelRunner.initialize_kv_cache_tensors``: the draft layers are in
 vLLM's KV cache config) and run the spyre attention backend, whose metadata
@@ -18,7 +18,7 @@ vLLM calls ``proposer.model(...)`` directly, at the step's own token count.
 The drafter's bookkeeping (its input buffers, slot mappings, the draft
 token ids) stays on the host with vLLM's, prepared by draft_kernels.py.
 EAGLE heads take the target's hidden states: vLLM copies them into the
-proposer's host buffer and the pre-hook moves them back (a round trip of
+proposer's host buffer and the wrapped forward moves them back (a round trip of
 [tokens, hidden] per draft pass). EAGLE-3 heads also take some target layers'
 outputs: the compiled target forward returns them (compile.py, vLLM's
 ``aux_hidden_state_layers``).
@@ -26,7 +26,9 @@ outputs: the compiled target forward returns them (compile.py, vLLM's
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,7 +57,10 @@ def to_card(model: torch.nn.Module) -> None:
     t0 = time.perf_counter()
     model.to(SPYRE)
     SpyreModelRunner._check_on_card(model)
-    model.register_forward_pre_hook(_inputs_to_card, with_kwargs=True)
+    # Not a forward pre-hook (as for the target): vLLM's @support_torch_compile
+    # models (e.g. DeepSeekMTP) replace __call__ and call self.forward
+    # directly, skipping nn.Module hooks; every path calls .forward.
+    model.forward = _card_inputs(model.forward, _inputs_to_card)
     logger.info(
         "spyre: drafter %s moved to the card: %.1f MiB of weights in device memory (%.1f s); "
         "it runs eagerly on the card",
@@ -63,3 +68,14 @@ def to_card(model: torch.nn.Module) -> None:
         (torch.spyre.memory_allocated() - before) / 2**20,
         time.perf_counter() - t0,
     )
+
+
+def _card_inputs(forward: Callable, to_card: Callable) -> Callable:
+    """``forward`` with its host tensor arguments moved to the card first."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = to_card(None, args, kwargs)
+        return forward(*args, **kwargs)
+
+    return run

@@ -233,17 +233,17 @@ _SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
 
 
 #: speculative decoding methods the spyre model runner serves
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def _check_speculative(spec) -> None:
-    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
-    or a draft model or EAGLE head on the card (drafter.py: its weights and
-    paged KV cache in device memory, its forward eager spyre kernels, its
-    input kernels in torch ops, draft_kernels.py); the verification forward over every
-    request's k+1 positions on the card (one compiled forward per step),
-    rejection sampling in torch ops (spec_decode.py).  Other methods are
-    refused here, naming what works."""
+    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the
+    host, or a draft model, EAGLE / EAGLE-3 head or MTP layer on the card
+    (drafter.py: its weights and paged KV cache in device memory, its forward
+    eager spyre kernels; its input kernels in torch ops, draft_kernels.py);
+    the verification forward over every request's k+1 positions on the card
+    (one compiled forward per step), rejection sampling in torch ops
+    (spec_decode.py).  Other methods are refused here, naming what works."""
     if spec is None:
         return
     if spec.method not in SPEC_METHODS:
@@ -253,7 +253,8 @@ def _check_speculative(spec) -> None:
             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
             '"prompt_lookup_min": 2}, {"method": "draft_model", "model": <a smaller '
             'model with the same vocabulary>, "num_speculative_tokens": 3} or '
-            '{"method": "eagle", "model": <an EAGLE head>, "num_speculative_tokens": 3})'
+            '{"method": "eagle", "model": <an EAGLE head>, "num_speculative_tokens": 3}; '
+            '"eagle3" with an EAGLE-3 head, "mtp" for a model with MTP layers)'
         )
     if spec.rejection_sample_method != "standard":
         raise NotImplementedError(
