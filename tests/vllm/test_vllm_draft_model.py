@@ -150,7 +150,7 @@ def _placement(worker) -> dict:
     }
 
 
-def _generate(path: str, spec: dict | None, **llm_kwargs) -> dict:
+def _generate(path: str, spec: dict | None, temperature: float = 0.0, **llm_kwargs) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -170,7 +170,7 @@ def _generate(path: str, spec: dict | None, **llm_kwargs) -> dict:
         torch_spyre.reset_fallback_counts()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
-            SamplingParams(max_tokens=N_TOKENS, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=N_TOKENS, temperature=temperature, ignore_eos=True),
             use_tqdm=False,
         )
         fallbacks = torch_spyre.fallback_counts()
@@ -290,4 +290,24 @@ def test_mtp_greedy_equals_no_speculation(tmp_path):
     assert pl["weights"] == {"spyre"}
     assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
     assert pl["kv_layers"] == 3  # the target's 2 attention layers + the MTP layer's
+    assert got["fallbacks"] == {}
+
+
+@pytest.mark.slow
+def test_draft_model_random_sampling(tiny_llama_dir, draft_dir):
+    """temperature > 0 with probabilistic drafts: vLLM's rejection sampling
+    with the draft's probabilities (spec_decode.py's random kernels), end to
+    end on the card (sampled tokens differ from greedy ones: lengths and
+    counters are checked; the kernels are checked against vLLM's elsewhere)."""
+    spec = {
+        "method": "draft_model",
+        "model": draft_dir,
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+    }
+    got = _generate(tiny_llama_dir, spec, temperature=0.8)
+    assert [len(t) for t in got["tokens"]] == [N_TOKENS] * len(PROMPTS)
+    c = got["counters"]
+    assert 0 <= c["vllm:spec_decode_num_accepted_tokens"] <= c["vllm:spec_decode_num_draft_tokens"]
+    assert c["vllm:spec_decode_num_draft_tokens"] > 0
     assert got["fallbacks"] == {}
