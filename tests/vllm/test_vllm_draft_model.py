@@ -1,5 +1,5 @@
-"""Model-based speculative decoding on spyre: draft models and EAGLE heads
-(vllm_plugin/drafter.py, draft_kernels.py).
+"""Model-based speculative decoding on spyre: draft models, EAGLE / EAGLE-3
+heads and MTP layers (vllm_plugin/drafter.py, draft_kernels.py).
 
 * draft model: the target is the tests' tiny random llama (2 layers); the
   draft is the same weights truncated to its first layer (so its guesses are
@@ -22,11 +22,13 @@
   no MTP layer), so the check is the tokens against the same model without
   speculation, that drafts were made, and where everything ran.
 
-Both run on the card in fp32: the target compiled per bucket, the drafter
-eagerly; their weights and paged KV caches in device memory; no host
-fallback. Greedy output with speculation is token for token the output
-without it (and transformers' on the CPU) for a batch of prompts of
-different lengths, and vLLM's counters show accepted drafts.
+Target and drafter run on the card in fp32: the target compiled per bucket,
+the drafter eagerly; their weights and paged KV caches in device memory; no
+host fallback. Greedy output with speculation is token for token the output
+without it (and, but for MTP, transformers' on the CPU) for a batch of
+prompts of different lengths; vLLM's counters show drafts made, and
+accepted for the draft model and EAGLE. Random sampling with probabilistic
+drafts runs through vLLM's rejection sampling.
 """
 
 from __future__ import annotations
