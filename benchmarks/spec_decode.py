@@ -1,13 +1,18 @@
-"""n-gram speculative decoding on the card: acceptance, steps and modelled time per token.
+"""Speculative decoding on the card: acceptance, steps and modelled time per token.
 
 SmolLM2-135M through vLLM (in-process engine, greedy), each prompt alone
-(batch 1), without speculation and with vLLM's n-gram proposer at each k.
+(batch 1), without speculation and with vLLM's n-gram proposer at each k, or
+(``--draft-layers N``) with a draft model: SmolLM2's own first N layers
+(embedding, final norm and tied head kept), a truncated copy written once
+next to the cached checkpoint, run on the card beside the target.
 Printed per prompt and k: the forward steps, drafted and accepted tokens
 (vLLM's counters), the acceptance rate, the modelled card time per generated
-token (the runner's StepStats over the run's steps, prefill included) and its
-ratio to the run without speculation, and whether the tokens equal it.
+token (the runner's StepStats over the run's steps, prefill included; with a
+draft model the steps include its k forwards) and its ratio to the run
+without speculation, and whether the tokens equal it.
 
     python benchmarks/spec_decode.py [--dtype float16] [--k 3,5] [--tokens 32]
+    python benchmarks/spec_decode.py --draft-layers 8 --k 3
 """
 
 from __future__ import annotations
@@ -42,23 +47,66 @@ def _steps(worker) -> list:
     return list(worker.model_runner.step_stats.history)
 
 
-def run(dtype: str, ks: list[int], tokens: int) -> list[dict]:
+def truncated_copy(path: str, layers: int) -> str:
+    """``path``'s first ``layers`` decoder layers as a checkpoint of its own
+    (config, weights, tokenizer files), written once beside it."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src = Path(path)
+    dst = src.parent / f"{src.name}-first{layers}"
+    if (dst / "model.safetensors").exists():
+        return str(dst)
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, tmp / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if layers >= cfg["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers {layers}: the model has {cfg['num_hidden_layers']}")
+    cfg["num_hidden_layers"] = layers
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    kept = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            kept[name] = t
+    save_file(kept, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tmp.rename(dst)
+    return str(dst)
+
+
+def _spec(k: int, draft: str | None) -> dict | None:
+    if not k:
+        return None
+    if draft is not None:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+
+
+def run(dtype: str, ks: list[int], tokens: int, draft_layers: int = 0) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from torch_spyre.models.offline import folder
 
     path = str(folder("smollm2"))
+    draft = truncated_copy(path, draft_layers) if draft_layers else None
+    method = f"draft {draft_layers}L" if draft else "ngram"
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rows, base = [], {}
     for k in [0, *ks]:
-        spec = None
-        if k:
-            spec = {
-                "method": "ngram",
-                "num_speculative_tokens": k,
-                "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2,
-            }
+        spec = _spec(k, draft)
         llm = LLM(
             model=path, dtype=dtype, max_model_len=256, max_num_seqs=4,
             max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20, seed=0,
@@ -82,7 +130,8 @@ def run(dtype: str, ks: list[int], tokens: int) -> list[dict]:
                     base[name] = (got, per_tok)
                 rows.append(
                     {
-                        "prompt": name, "k": k, "steps": len(steps), "drafted": int(drafted),
+                        "prompt": name, "method": method if k else "-", "k": k,
+                        "steps": len(steps), "drafted": int(drafted),
                         "accepted": int(accepted),
                         "acceptance": accepted / drafted if drafted else None,
                         "modelled_ms_per_token": per_tok * 1e3,
@@ -102,21 +151,34 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--k", default="3,5", help="speculative tokens per step, comma-separated")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument(
+        "--draft-layers", type=int, default=0,
+        help="speculate with a draft model: SmolLM2's first N layers (0: n-gram)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="a last line of JSON (the rows)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TORCH_SPYRE_VLLM_LOG_STEPS", "0")
-    rows = run(args.dtype, [int(x) for x in args.k.split(",") if x.strip()], args.tokens)
+    ks = [int(x) for x in args.k.split(",") if x.strip()]
+    rows = run(args.dtype, ks, args.tokens, args.draft_layers)
     print(f"\nSmolLM2-135M {args.dtype} on the card, batch 1, greedy, {args.tokens} tokens,")
-    print("n-gram prompt_lookup 2..4; modelled card time per generated token (prefill included)")
-    print(f"{'prompt':9s} {'k':>2s} {'steps':>5s} {'drafted':>7s} {'accepted':>8s} "
-          f"{'accept':>7s} {'ms/token':>9s} {'vs k=0':>7s}  equal")  # fmt: skip
+    if args.draft_layers:
+        print(f"draft model: SmolLM2's first {args.draft_layers} of 30 layers (greedy drafts); "
+              "modelled card time per generated token (prefill and draft passes included)")  # fmt: skip
+    else:
+        print(
+            "n-gram prompt_lookup 2..4; modelled card time per generated token (prefill included)"
+        )
+    print(f"{'prompt':9s} {'method':9s} {'k':>2s} {'steps':>5s} {'drafted':>7s} {'accepted':>8s} "
+          f"{'accept':>7s} {'ms/token':>9s} {'tok/s':>7s} {'vs k=0':>7s}  equal")  # fmt: skip
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        ms = r["modelled_ms_per_token"]
         print(
-            f"{r['prompt']:9s} {r['k']:2d} {r['steps']:5d} {r['drafted']:7d} {r['accepted']:8d} "
-            f"{acc:>7s} {r['modelled_ms_per_token']:9.3f} {r['speedup']:6.2f}x  {r['equal']}"
+            f"{r['prompt']:9s} {r['method']:9s} {r['k']:2d} {r['steps']:5d} {r['drafted']:7d} "
+            f"{r['accepted']:8d} {acc:>7s} {ms:9.3f} {1e3 / ms:7.1f} {r['speedup']:6.2f}x  "
+            f"{r['equal']}"
         )
     if args.json:
         print(json.dumps(rows))

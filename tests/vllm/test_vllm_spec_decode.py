@@ -7,7 +7,8 @@
   acceptance counters show drafts proposed and accepted; the repetitive prompt
   takes fewer forward steps (one forward per step over every request's k+1
   positions) and less modelled card time per generated token;
-* a method other than ngram is refused, naming ngram.
+* a method other than ngram and draft_model is refused, naming both
+  (draft models: test_vllm_draft_model.py).
 """
 
 from __future__ import annotations
@@ -458,16 +459,14 @@ def test_serve_with_speculative_config(vllm_server, tiny_llama_dir, tiny_llama_r
 def test_unsupported_method_is_refused(tiny_llama_dir):
     from vllm import LLM
 
-    with pytest.raises(NotImplementedError, match=r"'draft_model' is not supported.*ngram"):
+    with pytest.raises(
+        NotImplementedError, match=r"'ngram_gpu' is not supported.*ngram, draft_model"
+    ):
         LLM(
             model=tiny_llama_dir,
             skip_tokenizer_init=True,
             dtype="float32",
             max_model_len=128,
             kv_cache_memory_bytes=8 << 20,
-            speculative_config={
-                "method": "draft_model",
-                "model": tiny_llama_dir,
-                "num_speculative_tokens": 2,
-            },
+            speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2},
         )

@@ -126,8 +126,10 @@ class CompiledForward:
         return self._run(input_ids, positions, count=True)
 
     def warm_up(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Compile (and run) the bucket of these inputs; not counted as a step."""
-        return self._run(input_ids, positions, count=False)
+        """Compile (and run) the bucket of these inputs; not counted as a step.
+        The hidden states (without EAGLE-3's auxiliary ones)."""
+        out = self._run(input_ids, positions, count=False)
+        return out[0] if isinstance(out, tuple) else out
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, count: bool) -> torch.Tensor:
         n = input_ids.shape[0]
@@ -157,7 +159,7 @@ class CompiledForward:
             )
         if count:
             self.calls[b] += 1
-        return out[:n]
+        return _real_rows(out, n)
 
     def summary(self) -> dict:
         return {
@@ -168,6 +170,16 @@ class CompiledForward:
             "aot_cache": dict(self.cache),
             "pieces": self.pieces.as_dict(),
         }
+
+
+def _real_rows(out, n: int):
+    """The first ``n`` rows of the forward's output: the hidden states, or
+    (hidden states, [auxiliary hidden states]) when an EAGLE-3 drafter asks
+    the target for some layers' outputs too (vLLM's ``aux_hidden_state_layers``)."""
+    if isinstance(out, tuple):
+        hidden, aux = out
+        return hidden[:n], [a[:n] for a in aux]
+    return out[:n]
 
 
 class CompiledHead:

@@ -54,12 +54,14 @@ def compute_slot_mapping(
 
 
 def _overrides() -> dict:
-    from torch_spyre.vllm_plugin import spec_decode
+    from torch_spyre.vllm_plugin import draft_kernels, spec_decode
 
     return {
         "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
         # the rejection sampler's kernels (speculative decoding)
         **spec_decode.OVERRIDES,
+        # the model-based drafters' input kernels (draft model, EAGLE)
+        **draft_kernels.OVERRIDES,
     }
 
 

@@ -76,6 +76,10 @@ class SpyreModelRunner(CPUModelRunner):
         self.model.to(SPYRE)
         self._check_on_card(self.model)
         self.model.register_forward_pre_hook(_inputs_to_card, with_kwargs=True)
+        from torch_spyre.vllm_plugin import drafter
+
+        if (draft := drafter.model_of(self)) is not None:
+            drafter.to_card(draft)  # draft model / EAGLE head, loaded by vLLM above
         self.compiled: CompiledForward | None = None
         self.compiled_head: CompiledHead | None = None
         extra = self.vllm_config.additional_config

@@ -202,6 +202,14 @@ class SpyrePlatform(Platform):
     def support_static_graph_mode(cls) -> bool:
         return False
 
+    @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # A draft model's layers share layer indices with the target's
+        # (model.layers.0 and draft_model.model.layers.0). The runner's flat
+        # kv_caches list is only read by _zero_block_ids, which visits every
+        # tensor once whatever the order: nothing to refuse.
+        return None
+
 
 _overrides_registered = False
 
@@ -237,15 +245,17 @@ _SCAN_UNSAFE_MODULES = ("llvmlite.binding.ffi",)
 
 
 #: speculative decoding methods the spyre model runner serves
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def _check_speculative(spec) -> None:
-    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the host,
+    """Speculative decoding: vLLM's n-gram (prompt lookup) proposer on the
+    host, or a draft model, EAGLE / EAGLE-3 head or MTP layer on the card
+    (drafter.py: its weights and paged KV cache in device memory, its forward
+    eager spyre kernels; its input kernels in torch ops, draft_kernels.py);
     the verification forward over every request's k+1 positions on the card
     (one compiled forward per step), rejection sampling in torch ops
-    (spec_decode.py).  Draft-model, EAGLE, MTP and the other methods need a second
-    model on the card and are refused here, naming what works."""
+    (spec_decode.py).  Other methods are refused here, naming what works."""
     if spec is None:
         return
     if spec.method not in SPEC_METHODS:
@@ -253,7 +263,10 @@ def _check_speculative(spec) -> None:
             f"spyre: speculative decoding method {spec.method!r} is not supported; "
             f"supported: {', '.join(SPEC_METHODS)} (e.g. speculative_config="
             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-            '"prompt_lookup_min": 2})'
+            '"prompt_lookup_min": 2}, {"method": "draft_model", "model": <a smaller '
+            'model with the same vocabulary>, "num_speculative_tokens": 3} or '
+            '{"method": "eagle", "model": <an EAGLE head>, "num_speculative_tokens": 3}; '
+            '"eagle3" with an EAGLE-3 head, "mtp" for a model with MTP layers)'
         )
     if spec.rejection_sample_method != "standard":
         raise NotImplementedError(
