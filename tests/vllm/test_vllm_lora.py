@@ -262,6 +262,12 @@ def test_server_loads_and_unloads_an_adapter(vllm_server, tmp_path):
     code, text = _post(url + "/v1/completions", {"model": "counting", **body})
     assert code == 200, text
     assert json.loads(text)["choices"][0]["text"]
+    # llm-d's LoRA-aware routing reads vLLM's adapter gauge: a series per
+    # (max, waiting, running) set, the adapter named while its request ran
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    lora = [m for m in metrics.splitlines() if m.startswith("vllm:lora_requests_info{")]
+    assert any('running_lora_adapters="counting"' in m and 'max_lora="2"' in m for m in lora), lora
+    assert all("waiting_lora_adapters=" in m for m in lora)
     code, text = _post(url + "/v1/unload_lora_adapter", {"lora_name": "counting"})
     assert code == 200, text
     code, text = _post(url + "/v1/completions", {"model": "counting", **body})
