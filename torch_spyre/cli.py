@@ -2,7 +2,7 @@
 
     spyre validate MODEL [--steps N] [--prompts K] [--dtype fp16] [--compile] [--json out.json]
     spyre generate MODEL PROMPT [--max-new-tokens N] [--chat] [--sample] [--compare] [--compile]
-    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--explain] [--spec METHOD,k,a [--draft D]] [--prompt N] [--new-tokens N] [--tp N]
+    spyre estimate MODEL|config.json|FOLDER [--batch B] [--token-budget T] [--explain] [--spec METHOD,k,a [--draft D]] [--lora N,r] [--prompt N] [--new-tokens N] [--tp N]
                    [--dtype fp16|fp8|int8] [--json out.json]
     spyre estimate MODEL --serve --rate R[,R2,...] --input-len I --output-len O [--tp N]
                    [--batch MAX_SEQS] [--requests K] [--plot out.png] [--json out.json]
@@ -111,8 +111,16 @@ def _estimate(args: argparse.Namespace) -> int:
             "spyre estimate: --draft (a model, a config.json, or layers=N) goes with "
             "--spec draft_model,k,acceptance, and only with it"
         )
+    lora = None
+    if args.lora:
+        from torch_spyre.models import lora_estimate
+
+        try:
+            lora = lora_estimate.LoraOptions.parse(args.lora)
+        except ValueError as e:
+            raise SystemExit(f"spyre estimate: {e}") from None
     if args.serve:
-        return _serve_plan(args, names[0], cfg, weights, spec)
+        return _serve_plan(args, names[0], cfg, weights, spec, lora)
     results = []
     for name in names:
         common = dict(
@@ -123,6 +131,7 @@ def _estimate(args: argparse.Namespace) -> int:
             tp=args.tp,
             token_budget=args.token_budget,
             spec_tokens=spec.k if spec else 0,
+            lora=lora,
         )
         try:
             est = estimate.estimate(name, config=cfg, **common)
@@ -154,7 +163,7 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_plan(args: argparse.Namespace, name: str, cfg, weights, spec=None) -> int:
+def _serve_plan(args: argparse.Namespace, name: str, cfg, weights, spec=None, lora=None) -> int:
     import json
 
     from torch_spyre.models import estimate, serve_plan
@@ -169,6 +178,7 @@ def _serve_plan(args: argparse.Namespace, name: str, cfg, weights, spec=None) ->
                   config=cfg, tp=args.tp)  # fmt: skip
     print(f"planning {name} at batch 1 and {batch} on {args.tp} card(s) ...", flush=True)
     common["spec_tokens"] = spec.k if spec is not None else 0
+    common["lora"] = lora
     one = estimate.estimate(name, batch=1, **common)
     many = estimate.estimate(name, batch=batch, **common)
     if not many.fits:
@@ -307,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         "--spec",
         help="decode with speculation: METHOD,k,acceptance (ngram or draft_model; acceptance"
         " per draft token, e.g. ngram,3,0.7)",
+    )
+    e.add_argument(
+        "--lora",
+        help="decode steps with LoRA: N,rank (N resident adapters over the batch's tokens)",
     )
     e.add_argument(
         "--draft",

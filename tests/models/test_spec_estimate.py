@@ -113,3 +113,27 @@ def test_serve_plan_with_speculation(config_path, target):
     assert spec.steps < 0.6 * plain.steps
     assert spec.pct(spec.tpot_s, 50) < plain.pct(plain.tpot_s, 50)
     assert len(spec.tpot_s) == len(plain.tpot_s) == 20
+
+
+def test_lora_programs_in_the_decode_step(config_path, target):
+    """--lora N,rank: every decode step runs the grouped LoRA program of each
+    projection over its tokens (N adapters resident), a decode-only part."""
+    from torch_spyre.models import lora_estimate as L
+
+    assert L.LoraOptions.parse("4, 16") == L.LoraOptions(4, 16)
+    with pytest.raises(ValueError, match="N,rank"):
+        L.LoraOptions.parse("4")
+    cfg = parallel.load_config(config_path)
+    opts = L.LoraOptions(4, 16)
+    est = E.estimate(config_path, prompt=PROMPT, new_tokens=NEW, config=cfg, batch=4, lora=opts)
+    (part,) = [p for p in est.decode if p.name.startswith("LoRA deltas")]
+    assert part.count == 2 and len(part.kernels) == 7  # 7 projections, one program each
+    assert all(name.startswith("lora_sgmv") for name, _ in part.kernels)
+    assert est.lora_s == part.total_s > 0
+    assert not any(p.name.startswith("LoRA") for p in est.prefill)
+    # the stacks: 4 slots x rank 16 x (in + out) of every projection, fp16
+    dims = [(256, 256), (256, 128), (256, 128), (256, 256), (256, 640), (256, 640), (640, 256)]
+    stacks = 2 * 4 * 16 * sum(i + o for i, o in dims) * 2
+    plain = E.estimate(config_path, prompt=PROMPT, new_tokens=NEW, config=cfg, batch=4)
+    assert est.extra_weight_bytes - plain.extra_weight_bytes == stacks
+    assert "LoRA programs:" in est.format()

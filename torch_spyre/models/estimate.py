@@ -403,6 +403,7 @@ def estimate(
     tp: int = 1,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
     spec_tokens: int = 0,
+    lora=None,
 ) -> Estimate:
     """Plan ``name`` for the card and model prefill of ``prompt`` tokens and one
     decode step at position ``prompt`` (static cache of ``prompt + new_tokens``
@@ -427,6 +428,9 @@ def estimate(
     request's k drafts and its last token (k + 1 query positions at position
     ``prompt``, causal over the cache) in one forward, the LM head on all
     k + 1 rows (``Estimate.verify``; models/spec_estimate.py).
+    ``lora`` (``lora_estimate.LoraOptions``): every decode step also runs the
+    LoRA programs of N adapters of one rank over its tokens
+    (models/lora_estimate.py), and their stacks count in device memory.
     """
     import transformers
 
@@ -646,6 +650,19 @@ def estimate(
                     )[0]
                 )
                 del keys, values
+                if lora is not None and phase == "decode":
+                    from torch_spyre.models import lora_estimate
+
+                    layer = base.layers[i]
+                    # the stacks are resident: device memory beside the weights
+                    extra += counts[kind] * lora_estimate.stack_bytes(layer, lora, dtype)
+                    parts.append(
+                        _run_part(
+                            f"{lora.label}, {kind}",
+                            counts[kind],
+                            lambda m=layer: lora_estimate.run_deltas(m, batch, lora, dtype),
+                        )[0]
+                    )
             # the LM head on the last position; a verification step's on all
             # k + 1 (each position's logits check the next draft)
             hs = compiled(functools.partial(head_step, rows=tokens if phase == "verify" else 1))

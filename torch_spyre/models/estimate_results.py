@@ -123,6 +123,11 @@ class Estimate:
         return sum(p.total_s for p in self.decode)
 
     @property
+    def lora_s(self) -> float:
+        """The decode step's LoRA programs (``--lora``)."""
+        return sum(p.total_s for p in self.decode if p.name.startswith("LoRA deltas"))
+
+    @property
     def verify_s(self) -> float:
         return sum(p.total_s for p in self.verify)
 
@@ -188,6 +193,7 @@ class Estimate:
             prefill_s=self.prefill_s,
             decode_s=self.decode_s,
             verify_s=self.verify_s,
+            lora_s=self.lora_s,
             memory_bytes=self.memory_bytes,
             fits=self.fits,
             decode_floor_s=self.decode_floor_s,
@@ -297,6 +303,20 @@ class Estimate:
                 f"  {p.name:<36} {p.count:>3} {p.total_s * 1e3:>11.3f} "
                 f"{(d.total_s * 1e3 if d else float('nan')):>11.3f}  "
                 f"{len(p.kernels)} / {len(d.kernels) if d else 0}"
+            )
+        pre = {p.name for p in self.prefill}
+        for d in self.decode:
+            if d.name not in pre:  # decode-only parts (the LoRA programs)
+                lines.append(
+                    f"  {d.name[:36]:<36} {d.count:>3} {'-':>11} {d.total_s * 1e3:>11.3f}"
+                    f"  0 / {len(d.kernels)}"
+                )
+        lora_s = self.lora_s
+        if lora_s:
+            lines.append(
+                f"  LoRA programs: {lora_s * 1e3:.3f} ms per decode step, "
+                f"{lora_s / (self.decode_s - lora_s):.1%} of the step without them "
+                "(models/lora_estimate.py: the epilogues a LoRA op separates are not counted)"
             )
         lines.append(
             f"  planned in {self.plan_wall_s:.0f} s wall (compile + timing-only runs);"
