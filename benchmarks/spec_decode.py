@@ -13,6 +13,13 @@ without speculation, and whether the tokens equal it.
 
     python benchmarks/spec_decode.py [--dtype float16] [--k 3,5] [--tokens 32]
     python benchmarks/spec_decode.py --draft-layers 8 --k 3
+    python benchmarks/spec_decode.py --estimate [--acceptance 0.3,0.5,0.7,0.9]
+
+``--estimate``: Granite-3.3-8B at batch 1 (``spyre estimate --spec``, no
+weights: the acceptance rate is an input, e.g. the rates measured above on
+SmolLM2), with n-gram k=3 and a 1.0 B-parameter draft (its own first 4
+layers, embedding and LM head) at k=4: tokens per step, the verification
+step, drafting, tokens/s and the ratio to decode without speculation.
 """
 
 from __future__ import annotations
@@ -146,6 +153,24 @@ def run(dtype: str, ks: list[int], tokens: int, draft_layers: int = 0) -> list[d
     return rows
 
 
+def estimate_rows(acceptances: list[float]) -> list[dict]:
+    from torch_spyre.models import estimate, spec_estimate
+
+    name = "granite-3.3-8b"
+    cfg = estimate.model_config(name)
+    rows = []
+    for method, k, draft in (("ngram", 3, None), ("draft_model", 4, "layers=4")):
+        common = dict(spec_tokens=k)
+        target = estimate.estimate(name, **common)
+        d, label = (None, "")
+        if draft:
+            d, label = spec_estimate.draft_estimate(draft, name, cfg, common)
+        for a in acceptances:
+            plan = spec_estimate.plan(target, spec_estimate.SpecOptions(method, k, a), d, label)
+            rows.append({"model": name, **plan.to_json()})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float16")
@@ -156,7 +181,25 @@ def main() -> int:
         help="speculate with a draft model: SmolLM2's first N layers (0: n-gram)",
     )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="a last line of JSON (the rows)")
+    ap.add_argument("--estimate", action="store_true", help="Granite-3.3-8B, modelled")
+    ap.add_argument("--acceptance", default="0.3,0.5,0.7,0.9")
     args = ap.parse_args()
+    if args.estimate:
+        rates = [float(x) for x in args.acceptance.split(",") if x.strip()]
+        rows = estimate_rows(rates)
+        print("\nGranite-3.3-8B fp16, batch 1, prompt 1024 (spyre estimate --spec), modelled")
+        print(f"{'method':12s} {'k':>2s} {'accept':>6s} {'tok/step':>8s} {'verify ms':>9s} "
+              f"{'draft ms':>8s} {'tok/s':>6s} {'vs decode':>9s}")  # fmt: skip
+        for r in rows:
+            print(
+                f"{r['method']:12s} {r['k']:2d} {r['acceptance']:6.0%} {r['tokens_per_step']:8.2f}"
+                f" {r['verify_s'] * 1e3:9.1f} {r['draft_s'] * 1e3:8.1f}"
+                f" {r['tokens_per_s_per_request']:6.1f} {r['speedup']:8.2f}x"
+            )
+        print(f"decode without speculation: {rows[0]['decode_s'] * 1e3:.1f} ms per token")
+        if args.json:
+            print(json.dumps(rows))
+        return 0
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TORCH_SPYRE_VLLM_LOG_STEPS", "0")
