@@ -12,15 +12,15 @@ import pytest
 # inherit the variable) and removed at the end. A test that counts searches
 # must see them run, and CI's runs on one machine would otherwise share hits;
 # the cache itself is tested in tests/runtime/test_artifact_cache.py.
-# Inductor's cache stays where torch keeps it by default.
+# torch_spyre may already be imported (torch's device-backend autoload), its
+# settings read: the setting is updated below as well. Inductor's cache stays
+# where torch_spyre put it.
+_run_cache = None
 if "TORCH_SPYRE_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
     import tempfile
 
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     _run_cache = tempfile.mkdtemp(prefix="torch-spyre-test-cache-")
     os.environ["TORCH_SPYRE_CACHE_DIR"] = _run_cache
     atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
@@ -28,6 +28,9 @@ if "TORCH_SPYRE_CACHE_DIR" not in os.environ:
 import torch_spyre  # noqa: E402, F401  (registers the device)
 from torch_spyre import settings  # noqa: E402
 from torch_spyre.runtime.fallback import SpyreFallbackWarning  # noqa: E402
+
+if _run_cache is not None or settings.get().cache_dir != os.environ["TORCH_SPYRE_CACHE_DIR"]:
+    settings.update(cache_dir=os.environ["TORCH_SPYRE_CACHE_DIR"])
 
 warnings.filterwarnings("ignore", category=SpyreFallbackWarning)
 # tests import shared helpers from here (benchmark_module)
