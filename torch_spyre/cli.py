@@ -81,6 +81,17 @@ def _generate(args: argparse.Namespace) -> int:
 _WEIGHTS = {"fp16": None, "fp8": "float8_e4m3fn", "int8": "int8"}
 
 
+def _option(parse, text: str | None):
+    """``parse(text)`` for a given option (None when absent); a bad one exits
+    naming what is wrong."""
+    if not text:
+        return None
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise SystemExit(f"spyre estimate: {e}") from None
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import json
 
@@ -98,27 +109,15 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         cfg = None
         names = sorted(estimate.MODELS) if args.model == "all" else [args.model]
-    spec = None
-    if args.spec:
-        from torch_spyre.models import spec_estimate
+    from torch_spyre.models import lora_estimate, spec_estimate
 
-        try:
-            spec = spec_estimate.SpecOptions.parse(args.spec)
-        except ValueError as e:
-            raise SystemExit(f"spyre estimate: {e}") from None
+    spec = _option(spec_estimate.SpecOptions.parse, args.spec)
     if (spec is not None and spec.method == "draft_model") != bool(args.draft):
         raise SystemExit(
             "spyre estimate: --draft (a model, a config.json, or layers=N) goes with "
             "--spec draft_model,k,acceptance, and only with it"
         )
-    lora = None
-    if args.lora:
-        from torch_spyre.models import lora_estimate
-
-        try:
-            lora = lora_estimate.LoraOptions.parse(args.lora)
-        except ValueError as e:
-            raise SystemExit(f"spyre estimate: {e}") from None
+    lora = _option(lora_estimate.LoraOptions.parse, args.lora)
     if args.serve:
         return _serve_plan(args, names[0], cfg, weights, spec, lora)
     results = []

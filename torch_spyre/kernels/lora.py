@@ -31,7 +31,6 @@ from functools import lru_cache
 
 import torch
 
-from torch_spyre import kernels
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import (
     Buffer,
@@ -44,23 +43,10 @@ from torch_spyre.ir import (
     Vector,
     rebase,
 )
+from torch_spyre.kernels.moe import group_phases, matmul_template
 from torch_spyre.layout import SpyreTensorLayout, stick_elems
 
 I32 = torch.int32
-
-
-@lru_cache(maxsize=512)
-def _matmul_template(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig) -> Program:
-    return kernels.best_matmul(rows, n, k, dtype, config=cfg)
-
-
-def _phases(counts: tuple[int, ...]):
-    """(slot, first row, rows) of every slot with rows, in slot order."""
-    row0 = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, row0, n
-        row0 += n
 
 
 def sgmv(
@@ -101,16 +87,16 @@ def sgmv(
     for i, n in enumerate(slices):
         a_l = lay((num, 1, rank, k), dtype)
         b_l = lay((num, 1, n, rank), dtype)
-        for e, row0, rows in _phases(counts):
+        for e, row0, rows in group_phases(counts):
             if live is not None and not live[i][e]:
                 continue
             if shrink:
-                p = _matmul_template(rows, k, rank, dtype, cfg)
+                p = matmul_template(rows, k, rank, dtype, cfg)
                 p = rebase(p, "a", x_l, offsets=(row0, 0), rename="x")
                 p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
                 p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
                 shrinks.append(_named(p, f"shrink{i}_slot{e}_{rows}rows"))
-            p = _matmul_template(rows, rank, n, dtype, cfg)
+            p = matmul_template(rows, rank, n, dtype, cfg)
             src = f"s{i}" if shrink else "x"
             p = rebase(p, "a", s_l, offsets=(row0, 0), rename=src)
             p = rebase(p, "b", b_l, lead=(e, 0), perm=(1, 0), rename=f"b{i}")
@@ -170,7 +156,7 @@ def sgmv_indexed(
             raise ProgramError(f"lora sgmv: slice {i} starts at column {off}, not a stick")
         a_l = lay((num, 1, rank, k), dtype)
         b_l = lay((num, 1, n, rank), dtype)
-        for e, row0, rows in _phases(counts):
+        for e, row0, rows in group_phases(counts):
             if not live[i][e]:
                 continue
             t0 = starts[e]
@@ -220,7 +206,7 @@ def _shrink_template(
     from torch_spyre.kernels.search import search
 
     if not gather:
-        return _matmul_template(rows, k, n, dtype, cfg)
+        return matmul_template(rows, k, n, dtype, cfg)
 
     def build(sp):
         return _gathered(matmul(rows, n, k, dtype, split=sp, config=cfg), "a")

@@ -44,13 +44,15 @@ def _swiglu_template(rows: int, h: int, i: int, dtype: torch.dtype, cfg: Hardwar
     return kernels.best_swiglu_mlp(1, rows, h, i, h, dtype, batched=False, config=cfg)
 
 
-@lru_cache(maxsize=256)
-def _matmul_template(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig) -> Program:
+@lru_cache(maxsize=512)
+def matmul_template(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig) -> Program:
+    """The searched matmul of one group's rows (a grouped program's phase)."""
     return kernels.best_matmul(rows, n, k, dtype, config=cfg)
 
 
-def _phases(counts: tuple[int, ...]):
-    """(expert, first row, rows) of every expert with rows, in expert order."""
+def group_phases(counts: tuple[int, ...]):
+    """(group, first row, rows) of every group with rows, in group order
+    (an expert's tokens here, an adapter slot's in kernels/lora.py)."""
     row0 = 0
     for e, n in enumerate(counts):
         if n:
@@ -85,7 +87,7 @@ def grouped_swiglu(
     w13_l, w2_l = lay((num, 2 * inter, hidden), dtype), lay((num, hidden, inter), dtype)
     rw_l = lay((r, 1), torch.float32)  # routers normalise their weights in fp32
     phases = []
-    for e, row0, n in _phases(counts):
+    for e, row0, n in group_phases(counts):
         p = _swiglu_template(n, hidden, inter, dtype, cfg)
         if act != "silu":
             p = _with_activation(p, act)
@@ -132,10 +134,10 @@ def grouped_matmul(
     b_l = lay((num, n, k) if weight_nk else (num, k, n), dtype)
     phases = []
     nc = min(n_chunk or n, n)
-    for e, row0, rows in _phases(counts):
+    for e, row0, rows in group_phases(counts):
         for n0 in range(0, n, nc):
             cols = min(nc, n - n0)
-            p = _matmul_template(rows, k, cols, dtype, cfg)
+            p = matmul_template(rows, k, cols, dtype, cfg)
             p = rebase(p, "a", a_l, offsets=(row0, 0))
             p = rebase(p, "b", b_l, lead=(e,), offsets=(0, n0), perm=(1, 0) if weight_nk else None)
             p = rebase(p, "out", out_l, offsets=(row0, n0))
