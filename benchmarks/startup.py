@@ -21,9 +21,15 @@ hidden 256, 4 heads, 2 KV heads, MLP 512, its residual and logit
 multipliers) at each depth, random weights built here; with ``--smollm2``
 SmolLM2-135M from the offline model store (30 layers).
 
-Wall-clock figures depend on the machine's load; compare the two modes in
-the same run.  Not measured here: Inductor's CPU backend on the same graphs
-(issue 30 asks for it).
+``python benchmarks/startup.py --vs-cpu [--depths 2,8,40] [--smollm2]``: the
+same models' forward (``torch.compile(model, fullgraph=True)``, no KV cache,
+16 and 64 tokens: the two buckets above) compiled by the spyre backend and by
+Inductor's own CPU backend, each cold (an empty cache directory) and warm
+(the directory the cold run filled), every run a fresh process: the compile
+time of a shape is its first call less its second.
+
+Wall-clock figures depend on the machine's load; compare the modes and the
+backends in the same run.
 """
 
 from __future__ import annotations
@@ -127,6 +133,76 @@ print("MAINJOB " + json.dumps({
     "spyre_cache": artifact_cache.stats.as_dict(),
 }))
 """
+
+
+#: one model's forward compiled on one device (spyre or Inductor's CPU backend)
+DIRECT = r"""
+import json, os, sys, time
+os.environ["HF_HUB_OFFLINE"] = "1"
+import torch, transformers
+path, device = sys.argv[1], sys.argv[2]
+if device == "spyre":
+    import torch_spyre  # noqa: F401
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
+model = model.eval().to(device)
+fn = torch.compile(model, fullgraph=True, dynamic=False)
+gen = torch.Generator().manual_seed(0)
+compile_s = {}
+for tokens in (16, 64):
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(device)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        fn(input_ids=ids, use_cache=False).logits.cpu()
+        t1 = time.perf_counter()
+        fn(input_ids=ids, use_cache=False).logits.cpu()
+        t2 = time.perf_counter()
+    compile_s[tokens] = (t1 - t0) - (t2 - t1)
+print("DIRECT " + json.dumps({"compile_s": sum(compile_s.values()), "by_tokens": compile_s}))
+"""
+
+
+def direct(path: str, device: str, cache: str) -> dict:
+    """``DIRECT`` in a fresh process with this cache directory (Inductor's for
+    the CPU backend; torch_spyre's, which holds Inductor's, for spyre)."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    if device == "spyre":
+        env["TORCH_SPYRE_CACHE_DIR"] = cache
+    else:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    p = subprocess.run([sys.executable, "-c", DIRECT, path, device], env=env,
+                       capture_output=True, text=True, timeout=3600)  # fmt: skip
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("DIRECT ")), None)
+    if line is None:
+        raise RuntimeError(f"{path} on {device} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line.removeprefix("DIRECT "))
+
+
+def vs_cpu(models: list[tuple[str, str, str]], tmp: str, json_out: str | None) -> int:
+    """Cold and warm compile time of each model's forward, spyre against
+    Inductor's CPU backend (issue 30, item 5)."""
+    rows = []
+    for name, path, _ in models:
+        row: dict = {"model": name}
+        for device in ("spyre", "cpu"):
+            cache = tempfile.mkdtemp(prefix=f"{device}_", dir=tmp)
+            row[device] = {"cold": direct(path, device, cache), "warm": direct(path, device, cache)}
+        rows.append(row)
+        print(f"{name:14} spyre cold {row['spyre']['cold']['compile_s']:6.1f} s warm "
+              f"{row['spyre']['warm']['compile_s']:5.1f} s | cpu cold "
+              f"{row['cpu']['cold']['compile_s']:6.1f} s warm {row['cpu']['warm']['compile_s']:5.1f} s",
+              flush=True)  # fmt: skip
+    print()
+    print(
+        "| model | spyre cold (s) | spyre warm (s) | Inductor CPU cold (s) | CPU warm (s) | cold, spyre / CPU |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        sc, sw = r["spyre"]["cold"]["compile_s"], r["spyre"]["warm"]["compile_s"]
+        cc, cw = r["cpu"]["cold"]["compile_s"], r["cpu"]["warm"]["compile_s"]
+        print(f"| {r['model']} | {sc:.1f} | {sw:.1f} | {cc:.1f} | {cw:.1f} | {sc / cc:.2f} |")
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 def main_job(cache: str) -> dict:
@@ -234,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--warm-cache", action="store_true",
                     help="the main job's compile phase and vllm serve's ready time, cold and warm")  # fmt: skip
+    ap.add_argument("--vs-cpu", action="store_true",
+                    help="the forward's compile time, spyre against Inductor's CPU backend")  # fmt: skip
     args = ap.parse_args(argv)
     if args.warm_cache:
         return warm_cache(args.json)
@@ -245,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             from torch_spyre.models.offline import folder
 
             models.append(("SmolLM2-135M", str(folder("smollm2")), "float16"))
+        if args.vs_cpu:
+            return vs_cpu(models, tmp, args.json)
         for name, path, dtype in models:
             for piecewise in (False, True):
                 cache = tempfile.mkdtemp(prefix="inductor_", dir=tmp)

@@ -95,6 +95,20 @@ def test_estimate_structure_and_sums():
     assert "fits one card" in text and "decoder layer (full_attention)" in text
 
 
+def test_no_kernel_beats_its_floor_as_calibrated():
+    """Each planned kernel takes at least its operands once at the sustained
+    bandwidth (or its work at PE / vector peak): the bound ``--explain``
+    prints beside it and the estimate sums (``prefill_kernel_floor_s``)."""
+    est = _tiny()
+    plans = [k for p in est.prefill + est.decode for k in p.plans]
+    assert plans
+    for k in plans:
+        assert k.roofline_s <= k.floor_s <= k.time_s * (1 + 1e-9), k
+    assert est.prefill_floor_s <= est.prefill_kernel_floor_s <= est.prefill_s
+    assert "x floor" in est.explain()
+    assert "the bound of this kernel split" in est.format()
+
+
 def test_part_times_are_the_planned_programs_timings(monkeypatch):
     """A part's time is the sum of the timing model's estimates of the kernel
     programs launched during it (+ device copies); nothing else adds to it."""
@@ -197,8 +211,19 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
         assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
         assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
     # met: 1.40x (no re-lay copies, residual add in the MLP program, attention
-    # stored token-major, RoPE's rotation read in place; performance.md)
-    assert r["prefill_vs_compute_floor"] <= 1.41
+    # stored token-major, RoPE's rotation read in place; performance.md).  The
+    # same in every process: CI once saw 1.411x, where an earlier compile in
+    # the process had changed how Inductor lowered the next graph
+    # (compiler/implicit_fallbacks.py)
+    assert r["prefill_vs_compute_floor"] <= 1.40
+    # issue 30's 1.15x is below what this split into kernels allows: each
+    # kernel at its floor as calibrated (operands once at the sustained
+    # bandwidth) already sums to 1.28x; no kernel beats its floor
+    assert 1.27 < r["prefill_kernel_floors_vs_compute_floor"] < 1.29
+    for phase in ("prefill", "decode"):
+        for part in d[phase]:
+            for k in part["plans"]:
+                assert k["time_s"] >= k["floor_s"] * (1 - 1e-9) > 0, k
     # --explain: every kernel as planned; the fused MLP's PE utilisation in
     # prefill (issue 30's 80% bar) from the planned grid and tiles
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]

@@ -46,6 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from torch_spyre.compiler import implicit_fallbacks
 from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
@@ -775,6 +776,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         if changed:
             gm.graph.lint()
             gm.recompile()
+        implicit_fallbacks.prepare(gm)  # every graph lowers as the first one did
 
     def uuid(self) -> str:
         from torch_spyre.compiler import backend_version

@@ -18,6 +18,9 @@ class KernelPlan:
     utilisation: float
     flops: float
     plan: str
+    #: its floor on the card as calibrated: operands once at the sustained
+    #: bandwidth, or the PE / vector peak (``KernelReport.sustained_roof_s``)
+    floor_s: float = 0.0
 
     @staticmethod
     def of(report) -> KernelPlan:
@@ -29,6 +32,7 @@ class KernelPlan:
             report.utilisation,
             report.flops,
             report.plan,
+            report.sustained_roof_s,
         )
 
 
@@ -159,9 +163,19 @@ class Estimate:
         """Prefill FLOP / peak fp16 PE throughput."""
         return self.prefill_flops / self.peak_flops
 
+    @property
+    def prefill_kernel_floor_s(self) -> float:
+        """The prefill's kernels, each at its floor on the card as calibrated
+        (``KernelPlan.floor_s``): the least this split into kernels can take,
+        however each is planned.  Below it only fewer bytes help: fusing
+        kernels, or fewer memory-bound ones."""
+        return sum(p.count * sum(k.floor_s for k in p.plans) for p in self.prefill)
+
     def ratios(self) -> dict[str, float]:
         return {
             "prefill_vs_compute_floor": self.prefill_s / self.prefill_floor_s,
+            "prefill_kernel_floors_vs_compute_floor": self.prefill_kernel_floor_s
+            / self.prefill_floor_s,
             "decode_vs_peak_bandwidth_floor": self.decode_s / self.decode_floor_s,
             "decode_vs_sustained_bandwidth_floor": self.decode_s / self.decode_floor_sustained_s,
         }
@@ -199,6 +213,7 @@ class Estimate:
             decode_floor_s=self.decode_floor_s,
             decode_floor_sustained_s=self.decode_floor_sustained_s,
             prefill_floor_s=self.prefill_floor_s,
+            prefill_kernel_floor_s=self.prefill_kernel_floor_s,
             ratios=self.ratios(),
             collective_s=self.collective_s,
             decode_tokens_per_s_per_request=1 / self.decode_s,
@@ -209,8 +224,9 @@ class Estimate:
     def explain(self) -> str:
         """Each part's kernels as planned: modelled time against the kernel's
         roofline (its FLOP at PE peak or its operands once at peak
-        bandwidth), PE/vector utilisation, what bounds it, and the planner's
-        core grid and tiles (``sim.timing.plan_text``)."""
+        bandwidth) and against its floor on the card as calibrated (operands
+        once at the sustained bandwidth), PE/vector utilisation, what bounds
+        it, and the planner's core grid and tiles (``sim.timing.plan_text``)."""
         lines = []
         for phase in ("prefill", "decode"):
             parts = getattr(self, phase)
@@ -220,15 +236,16 @@ class Estimate:
                 "",
                 f"  {phase}: {busy * 1e3:.3f} ms; matmul FLOP at "
                 f"{flops / max(busy, 1e-30) / self.peak_flops:.0%} of PE peak over the whole pass",
-                f"    {'kernel':<44} {'us':>9} {'roof us':>9} {'x roof':>6} {'util':>5}"
-                f" {'bound':>8}  plan",
+                f"    {'kernel':<44} {'us':>9} {'roof us':>9} {'x roof':>6} {'x floor':>7}"
+                f" {'util':>5} {'bound':>8}  plan",
             ]
             for p in parts:
                 lines.append(f"  {p.name} (x{p.count})")
                 for k in p.plans:
                     lines.append(
                         f"    {k.name[:44]:<44} {k.time_s * 1e6:>9.1f} {k.roofline_s * 1e6:>9.1f}"
-                        f" {k.time_s / max(k.roofline_s, 1e-30):>5.2f}x {k.utilisation:>5.0%}"
+                        f" {k.time_s / max(k.roofline_s, 1e-30):>5.2f}x"
+                        f" {k.time_s / max(k.floor_s, 1e-30):>6.2f}x {k.utilisation:>5.0%}"
                         f" {k.bottleneck:>8}  {k.plan}"
                     )
         return "\n".join(lines)
@@ -280,6 +297,9 @@ class Estimate:
             f"  {f'prefill, {self.prompt_tokens} tokens':34} {self.prefill_s * 1e3:>8.1f} ms"
             f" {self.prefill_floor_s * 1e3:>8.1f} ms {r['prefill_vs_compute_floor']:>5.2f}x"
             f"  {self.prefill_flops / 1e12:.1f} TFLOP / {self.peak_flops / 1e12:.1f} TFLOP/s (PE peak)",
+            f"  {'':34} {'':>11} {self.prefill_kernel_floor_s * 1e3:>8.1f} ms"
+            f" {r['prefill_kernel_floors_vs_compute_floor']:>5.2f}x"
+            "  its kernels, each at its floor as calibrated (the bound of this kernel split)",
             f"  {f'decode, per token (cache {self.cache_len})':34} {self.decode_s * 1e3:>8.1f} ms"
             f" {self.decode_floor_s * 1e3:>8.1f} ms {r['decode_vs_peak_bandwidth_floor']:>5.2f}x"
             f"  {self.decode_bytes / gb:.2f} GB / {self.peak_bandwidth_Bps / gb:.1f} GB/s"

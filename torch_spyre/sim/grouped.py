@@ -107,4 +107,5 @@ def estimate_grouped(gp: GroupedProgram, config: HardwareConfig | None = None) -
         dtype=str(mm_dtype).removeprefix("torch."),
         extra={"phases": float(len(reps)), "phase_time_s": float(sum(body))},
         plan=" | ".join(dict.fromkeys(r.plan for r in reps)),
+        sustained_roof_s=max(roof, compulsory / cfg.sustained_bandwidth_Bps),
     )

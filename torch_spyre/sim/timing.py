@@ -73,6 +73,11 @@ class KernelReport:
     extra: dict[str, float] = field(default_factory=dict)
     #: the planner's choices (``plan_text``): core grid, tiles, k split
     plan: str = ""
+    #: the floor on this card as calibrated: every operand moved once at the
+    #: sustained bandwidth (``HardwareConfig.sustained_bandwidth_Bps``), or the
+    #: PE / vector peak, whichever is longer (the roofline uses the peak
+    #: bandwidth, which no DMA stream sustains)
+    sustained_roof_s: float = 0.0
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -559,6 +564,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         dtype=str(mm_dtype).removeprefix("torch."),
         extra={"pipelined": float(st.pipelined), "inner_iterations": float(n_iter_inner or 1)},
         plan=plan_text(p, st.pipelined),
+        sustained_roof_s=max(roof, compulsory / cfg.sustained_bandwidth_Bps),
     )
 
 
