@@ -258,3 +258,28 @@ def test_rotate_half_of_a_transposed_projection_reads_it_in_place(dtype):
     assert not any("clone" in n for n in names), names
     tol = {"rtol": 1.3e-6, "atol": 1e-5} if dtype == torch.float32 else tolerances(dtype)
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_the_memoised_infinity_walk_answers_as_the_walk():
+    """``any_may_be_infinite`` (each node's answer kept for a lowered graph)
+    says what ``may_be_infinite`` says for every node of a graph with a -inf
+    fill, a log, attention over a -inf mask, and plain arithmetic."""
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch_spyre.compiler.infinities import any_may_be_infinite, may_be_infinite
+
+    def f(q, k, v, m, x):
+        s = F.scaled_dot_product_attention(q, k, v, attn_mask=m.masked_fill(m < 0, float("-inf")))
+        y = s * 2 + x.sum()
+        return y, (x.abs() + 1).log(), y.exp(), x * 3
+
+    args = [torch.randn(1, 2, 4, 8)] * 3 + [torch.randn(4, 4), torch.randn(4, 8)]
+    gm = make_fx(f)(*args)
+    nodes = list(gm.graph.nodes)
+    want = {n: may_be_infinite(n) for n in nodes}
+    assert any(want.values()) and not all(want.values())
+    for n in reversed(nodes):  # the memo filled in another order than a walk's
+        assert any_may_be_infinite([n]) == want[n], n
+    assert any_may_be_infinite(nodes) is True
+    assert any_may_be_infinite([n for n in nodes if not want[n]]) is False

@@ -22,7 +22,7 @@ import sympy
 import torch
 
 from torch_spyre.compiler import lanes, pieces
-from torch_spyre.compiler.infinities import may_be_infinite
+from torch_spyre.compiler.infinities import any_may_be_infinite
 from torch_spyre.compiler.kernel_plan import OperandUse
 from torch_spyre.compiler.values import Scal, Val
 from torch_spyre.compiler.views import _decompose
@@ -172,4 +172,4 @@ class LaneSteps:
         if not value.dtype.is_floating_point:
             return True
         origins = self.node_origins
-        return bool(origins) and not any(may_be_infinite(o) for o in origins)
+        return bool(origins) and not any_may_be_infinite(origins)

@@ -384,13 +384,14 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
 
     aten = torch.ops.aten
     changed = False
+    inf_memo: dict = {}  # may_be_infinite's answers: the rewrites keep every value
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.cat.default:
             continue
         if not _on_spyre(node) or not node.meta["val"].dtype.is_floating_point:
             continue
         found = _slice_pieces(node)
-        if found is None or may_be_infinite(found[0], gm):
+        if found is None or may_be_infinite(found[0], gm, inf_memo):
             continue
         x, pieces = found
         xv = x.meta["val"]
@@ -523,6 +524,7 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
 
     aten = torch.ops.aten
     changed = False
+    inf_memo: dict = {}  # may_be_infinite's answers: the rewrites keep every value
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -537,7 +539,7 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             dim = dim % val.dim()
             last = dim == val.dim() - 1
             narrow = last and val.dtype.is_floating_point and val.shape[-1] <= _MAX_CAT
-            narrow = narrow and not any(may_be_infinite(p, gm) for p in pieces)
+            narrow = narrow and not any(may_be_infinite(p, gm, inf_memo) for p in pieces)
             if not narrow:
                 # along an outer dim (Inductor writes it as masked loads of
                 # shifted rows, which no program expresses): whole sticks moved
@@ -576,7 +578,7 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             end = d if end is None else min(end + d if end < 0 else end, d)
             if src.meta["val"].shape != (*val.shape[:-1], end - start):
                 continue
-            if may_be_infinite(src, gm):
+            if may_be_infinite(src, gm, inf_memo):
                 continue  # left to Inductor's masked stores: planned or eager, never NaN
             fake_mode = detect_fake_mode([val])
             keep = torch.ones(d, dtype=torch.bool)
@@ -600,7 +602,7 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             if x.meta["val"].dtype != val.dtype or not isinstance(value, int | float):
                 continue
             fake_mode = detect_fake_mode([val])
-            if may_be_infinite(x, gm) or not _last_dim(node, -1):
+            if may_be_infinite(x, gm, inf_memo) or not _last_dim(node, -1):
                 # a mask (-inf or bool), or too wide for a lane table: the
                 # device's cat of the fill and x, whole values moved by a DMA
                 # program, never multiplied by a table
