@@ -68,6 +68,15 @@ def launch(scenario: str, n: int, timeout: float = 90, **extra: str) -> list[str
     return outs
 
 
+def _ok(out: str) -> bool:
+    """A rank finished its scenario: it printed ``OK`` (its last line of its
+    own) and no traceback.  c10d may warn after it, while the ranks shut down
+    (rank 0's store sees the other rank's socket close: "waitForInput: poll
+    for socket ... remote worker crashing"); a whole-suite run on a loaded
+    machine failed on that warning, the last text of rank 0's output."""
+    return "OK" in out.splitlines() and "Traceback" not in out
+
+
 def test_torchrun_four_ranks_all_collectives_equal_gloo():
     """The issue's bar: torchrun --nproc-per-node 4, every collective on spyre
     tensors equal to gloo on CPU tensors, clock advance = the formula exactly."""
@@ -94,19 +103,19 @@ def test_torchrun_four_ranks_all_collectives_equal_gloo():
 
 def test_late_card_makes_the_others_wait():
     outs = launch("skew", 2)
-    assert all(o.rstrip().endswith("OK") for o in outs), outs
+    assert all(_ok(o) for o in outs), outs
 
 
 def test_mismatched_shapes_and_dtypes_are_named():
     outs = launch("mismatch", 2)
-    assert all(o.rstrip().endswith("OK") for o in outs), outs
+    assert all(_ok(o) for o in outs), outs
     assert "rank 0 passed all_reduce of float16[4, 64]" in outs[0], outs[0]
 
 
 def test_dead_peer_times_out_naming_it():
     outs = launch("dead_peer", 3, CCL_TEST_TIMEOUT="3")
     for o in outs[:2]:
-        assert o.rstrip().endswith("OK"), o
+        assert _ok(o), o
         assert "rank(s) 2 did not take part within 3 s" in o, o
 
 
