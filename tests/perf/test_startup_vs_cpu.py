@@ -1,7 +1,8 @@
 """benchmarks/startup.py --vs-cpu: the same forward compiled by the spyre
 backend and by Inductor's CPU backend, cold and warm, each in a fresh
-process (issue 30, item 5).  Wall-clock: only that every run compiled and
-that the warm run found the cold run's entries are asserted, not a speed."""
+process (issue 30, item 5).  Wall-clock figures are printed, not asserted:
+only that every run compiled, and that the warm run loaded the graphs the
+cold run compiled (Inductor's FX graph cache hits)."""
 
 import json
 
@@ -19,8 +20,8 @@ def test_startup_compares_compile_time_with_inductors_cpu_backend(tmp_path, caps
     for device in ("spyre", "cpu"):
         cold, warm = row[device]["cold"], row[device]["warm"]
         assert set(cold["by_tokens"]) == {"16", "64"}
-        assert cold["compile_s"] > 0
-        # the warm process reuses the cold one's compiled graphs
-        assert warm["compile_s"] < cold["compile_s"]
+        assert cold["compile_s"] > 0 and cold["fx_graph_cache_hits"] == 0
+        # the warm process loads both shapes' graphs the cold one compiled
+        assert warm["fx_graph_cache_hits"] == 2
     text = capsys.readouterr().out
     assert "| granite x2 |" in text and "Inductor CPU cold" in text
