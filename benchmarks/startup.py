@@ -84,6 +84,20 @@ def granite(depth: int, root: Path) -> str:
     return str(path)
 
 
+def child(code: str, args: list[str], env: dict, tag: str, what: str, timeout: float) -> dict:
+    """``code`` in a fresh interpreter; the JSON it printed after ``tag``, and
+    ``process_s``, the process's wall time."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)  # fmt: skip
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith(tag + " ")), None)
+    if line is None:
+        raise RuntimeError(f"{what} failed:\n{p.stderr[-3000:]}")
+    out = json.loads(line.removeprefix(tag + " "))
+    out["process_s"] = time.perf_counter() - t0
+    return out
+
+
 def run(path: str, dtype: str, piecewise: bool, cache: str) -> dict:
     env = {
         **os.environ,
@@ -91,17 +105,7 @@ def run(path: str, dtype: str, piecewise: bool, cache: str) -> dict:
         "TORCH_SPYRE_VLLM_PIECEWISE": "1" if piecewise else "0",
         "TORCH_SPYRE_VLLM_LOG_STEPS": "0",
     }
-    t0 = time.perf_counter()
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD, path, dtype],
-        env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("STARTUP ")), None)
-    if line is None:
-        raise RuntimeError(f"{path} (piecewise={piecewise}) failed:\n{p.stderr[-3000:]}")
-    out = json.loads(line.removeprefix("STARTUP "))
-    out["process_s"] = time.perf_counter() - t0
-    return out
+    return child(CHILD, [path, dtype], env, "STARTUP", f"{path} (piecewise={piecewise})", 1800)
 
 
 #: the README main job (examples/chat.py) up to its answer, timed by phase
@@ -171,12 +175,7 @@ def direct(path: str, device: str, cache: str) -> dict:
         env["TORCH_SPYRE_CACHE_DIR"] = cache
     else:
         env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    p = subprocess.run([sys.executable, "-c", DIRECT, path, device], env=env,
-                       capture_output=True, text=True, timeout=3600)  # fmt: skip
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("DIRECT ")), None)
-    if line is None:
-        raise RuntimeError(f"{path} on {device} failed:\n{p.stderr[-3000:]}")
-    return json.loads(line.removeprefix("DIRECT "))
+    return child(DIRECT, [path, device], env, "DIRECT", f"{path} on {device}", 3600)
 
 
 def vs_cpu(models: list[tuple[str, str, str]], tmp: str, json_out: str | None) -> int:
@@ -211,15 +210,7 @@ def main_job(cache: str) -> dict:
     """The main job's compile phase in a fresh process with this cache directory."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["TORCH_SPYRE_CACHE_DIR"] = cache
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", MAIN_JOB], env=env, capture_output=True,
-                       text=True, timeout=1800)  # fmt: skip
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("MAINJOB ")), None)
-    if line is None:
-        raise RuntimeError(f"the main job failed:\n{p.stderr[-3000:]}")
-    out = json.loads(line.removeprefix("MAINJOB "))
-    out["process_s"] = time.perf_counter() - t0
-    return out
+    return child(MAIN_JOB, [], env, "MAINJOB", "the main job", 1800)
 
 
 def serve_ready(cache: str, port: int, timeout_s: float = 900.0) -> dict:

@@ -199,6 +199,17 @@ def _generate(path: str, spec: dict | None, temperature: float = 0.0, **llm_kwar
     }
 
 
+def _assert_on_card(got: dict, drafter: str, kv_layers: int) -> None:
+    """The drafter is vLLM's ``drafter``, compiled, its weights and KV cache on
+    the card (``kv_layers`` attention layers in all), and nothing fell back."""
+    pl = got["placement"]
+    assert pl["drafter"] == drafter and pl["compiled"]
+    assert pl["weights"] == {"spyre"}
+    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
+    assert pl["kv_layers"] == kv_layers
+    assert got["fallbacks"] == {}
+
+
 @pytest.mark.slow
 def test_draft_model_greedy_equals_no_speculation(
     tiny_llama_dir, draft_dir, tiny_llama_ref, hf_greedy
@@ -213,12 +224,8 @@ def test_draft_model_greedy_equals_no_speculation(
     c = got["counters"]
     assert c["vllm:spec_decode_num_draft_tokens"] > 0
     assert c["vllm:spec_decode_num_accepted_tokens"] > 0
-    pl = got["placement"]
-    assert pl["drafter"] == "DraftModelProposer" and pl["compiled"]
-    assert pl["weights"] == {"spyre"}
-    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
-    assert pl["kv_layers"] == 3  # the target's 2 attention layers + the draft's 1
-    assert got["fallbacks"] == {}
+    # the target's 2 attention layers + the draft's 1
+    _assert_on_card(got, "DraftModelProposer", kv_layers=3)
 
 
 @pytest.mark.slow
@@ -237,12 +244,9 @@ def test_eagle_greedy_equals_no_speculation(eagle_pair, hf_greedy):
     c = got["counters"]
     assert c["vllm:spec_decode_num_draft_tokens"] > 0
     assert c["vllm:spec_decode_num_accepted_tokens"] > 0
-    pl = got["placement"]
-    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
-    assert pl["weights"] == {"spyre"}  # fc and the layer; embedding and head are the target's
-    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
-    assert pl["kv_layers"] == 2  # the target's attention layer + the head's
-    assert got["fallbacks"] == {}
+    # fc and the layer on the card (embedding and head are the target's); the
+    # target's attention layer + the head's
+    _assert_on_card(got, "EagleProposer", kv_layers=2)
 
 
 @pytest.mark.slow
@@ -253,13 +257,8 @@ def test_eagle3_greedy_equals_no_speculation(tiny_llama_dir, eagle3_dir, tiny_ll
     for p, w, g in zip(PROMPTS, want, got["tokens"]):
         assert g == w, len(p)
     assert got["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
-    pl = got["placement"]
-    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
-    assert pl["weights"] == {"spyre"}
-    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
-    assert pl["kv_layers"] == 3  # the target's 2 attention layers + the head's
-    assert pl["aux_layers"] == (0, 1, 2)
-    assert got["fallbacks"] == {}
+    _assert_on_card(got, "EagleProposer", kv_layers=3)  # the target's 2 + the head's
+    assert got["placement"]["aux_layers"] == (0, 1, 2)
 
 
 @pytest.mark.slow
@@ -287,12 +286,7 @@ def test_mtp_greedy_equals_no_speculation(tmp_path):
     for p, w, g in zip(PROMPTS, base["tokens"], got["tokens"]):
         assert g == w, len(p)
     assert got["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
-    pl = got["placement"]
-    assert pl["drafter"] == "EagleProposer" and pl["compiled"]
-    assert pl["weights"] == {"spyre"}
-    assert pl["draft_layers"] and pl["draft_kv"] == {"spyre"}
-    assert pl["kv_layers"] == 3  # the target's 2 attention layers + the MTP layer's
-    assert got["fallbacks"] == {}
+    _assert_on_card(got, "EagleProposer", kv_layers=3)  # the target's 2 + the MTP layer's
 
 
 @pytest.mark.slow
