@@ -244,6 +244,33 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
     assert "device-only" in text and "end-to-end" in text
 
 
+@pytest.mark.slow  # plans the real 8B layer at 8192 tokens: ~15 s
+def test_granite_8b_long_prompt_prefill(tmp_path):
+    """Issue 30: an 8k-token prefill at most 1.3x the compute floor (causal
+    attention counted as the half square it is).  The MLP stays one fused
+    SwiGLU program at 8192 rows (small row tiles: 128 rows of activation and
+    fp32 accumulator over all of k already fill the LX), flash attention skips
+    the causal half, and no kernel beats its floor (a causal kernel's floor
+    counts the FLOPs of the pairs it must compute, not the square's)."""
+    from torch_spyre import cli
+
+    out = tmp_path / "granite_8k.json"
+    assert cli.main(["estimate", "granite-3.3-8b", "--prompt", "8192", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    r = d["ratios"]
+    assert r["prefill_vs_compute_floor"] <= 1.3  # 1.22x
+    (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
+    names = [k["name"] for k in layer["plans"]]
+    assert any(n.startswith("swiglu_mlp_8192x") for n in names)
+    assert not any(n.startswith("silu") for n in names)
+    (flash,) = [k for k in layer["plans"] if k["name"].startswith("flash_attn")]
+    assert flash["time_s"] <= 1.1 * flash["floor_s"]
+    for part in d["prefill"]:
+        for k in part["plans"]:
+            assert k["time_s"] >= k["floor_s"] * (1 - 1e-9) > 0, k
+    assert r["prefill_kernel_floors_vs_compute_floor"] <= r["prefill_vs_compute_floor"]
+
+
 @pytest.mark.parametrize("weights", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 def test_8bit_weights_estimate_reads_one_byte_per_weight(weights):
     """``weights=``: the decoder layers' linear weights 8-bit (one fp32 scale per

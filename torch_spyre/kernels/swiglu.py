@@ -297,7 +297,10 @@ def best_swiglu_mlp(
         if (eb, em, en, ek) in planned:
             continue
         planned.add((eb, em, en, ek))
-        tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4)})
+        # row tiles: the core's rows, halves, quarters, and the small tiles a
+        # long prompt needs (8192 rows: the activation and fp32 accumulator
+        # of 128 rows over a whole k already fill the LX)
+        tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4), *(t for t in (32, 64, 128) if t < em)})
         tbs = sorted({1, eb}) if batched else [1]
         # tiles clamped to the core's extents, each distinct one planned once
         tiles = sorted(

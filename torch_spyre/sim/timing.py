@@ -334,9 +334,19 @@ def _matmul_cycles(cv: _CoreView, s: Matmul, cfg: HardwareConfig, info: tuple) -
 
 
 def _matmul_flops(p: Program, s: Matmul) -> float:
+    """The matmul's FLOPs the kernel must do: over every (i, j) of a causal
+    dim pair (``Dim.causal_to``) only those with j <= i (the rest are masked
+    and need no work; the roof of a causal attention is half a square's)."""
     a, b, o = (p.buffer(x) for x in (s.a, s.b, s.out))
     dims = set(a.dims) | set(b.dims) | set(o.dims)
-    return 2.0 * math.prod(p.dim(d).size for d in dims)
+    flops = 2.0 * math.prod(p.dim(d).size for d in dims)
+    for d in dims:
+        q = p.dim(d).causal_to
+        if q is not None and q in dims:
+            nq, nk = p.dim(q).size, p.dim(d).size
+            pairs = sum(min(i + 1, nk) for i in range(nq))
+            flops *= pairs / (nq * nk)
+    return flops
 
 
 # ----------------------------------------------------------------- model
