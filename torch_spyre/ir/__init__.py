@@ -12,7 +12,13 @@ Depends on torch, ``layout`` and ``hardware`` only; nothing here imports a
 producer or the card.
 """
 
-from torch_spyre.ir.grouped import GroupedProgram, rebase, scale_rows_before_store
+from torch_spyre.ir.grouped import (
+    GroupedProgram,
+    blocks_clash,
+    rebase,
+    scale_rows_before_store,
+    touched_blocks,
+)
 from torch_spyre.ir.program import Program
 from torch_spyre.ir.steps import (
     SCANS,
@@ -56,6 +62,8 @@ __all__ = [
     "Store",
     "Vector",
     "rebase",
+    "blocks_clash",
+    "touched_blocks",
     "register_op",
     "register_reduction",
     "scale_rows_before_store",

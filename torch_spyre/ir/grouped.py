@@ -8,6 +8,16 @@ of such programs (*phases*) launched once: the cores run phase 0 on all their
 cores, then phase 1, ... (the phases write disjoint sub-blocks of the outputs,
 ``Store.offsets``).  The timing of a grouped launch is ``sim/grouped.py``'s.
 
+*Waves*: consecutive phases may run at once, each on its own cores (the
+wave's first phase on cores 0.., the next on the cores after it: the card is
+SPMD, a core's id picks its phase).  Phases of one wave must fit the card's
+cores together and touch disjoint blocks of every operand one of them writes
+(``validate`` checks both; a row gathered through a table may be any row,
+unless the program says the table's entries are distinct rows).
+Small phases (a LoRA adapter's 16-row shrink, a decode expert's few tokens)
+are bound by fixed DMA latency, not by cores: a wave runs several in the
+time of one.
+
 ``rebase`` binds a template program's operand to a sub-block of a larger
 tensor (an expert's weight ``W[e]`` of ``W [E, N, K]``) and
 ``scale_rows_before_store`` multiplies the stored rows by per-row weights:
@@ -30,6 +40,22 @@ class GroupedProgram:
     name: str
     phases: tuple[Program, ...]
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: each phase's wave (non-decreasing from 0; phases of one wave run at
+    #: once on disjoint cores); () = every phase its own wave, in turn
+    waves: tuple[int, ...] = ()
+    #: operands holding row tables whose entries are distinct rows (a LoRA
+    #: batch's tokens in slot order): phases addressing rows through disjoint
+    #: entries of one touch disjoint rows
+    distinct: tuple[str, ...] = ()
+
+    def wave_phases(self) -> list[tuple[int, ...]]:
+        """The phases (indices) of each wave, in order."""
+        if not self.waves:
+            return [(i,) for i in range(len(self.phases))]
+        out: dict[int, list[int]] = {}
+        for i, w in enumerate(self.waves):
+            out.setdefault(w, []).append(i)
+        return [tuple(v) for _, v in sorted(out.items())]
 
     @property
     def operands(self) -> tuple[Operand, ...]:
@@ -58,7 +84,38 @@ class GroupedProgram:
                         f"{o.layout}, an earlier phase {o0.layout}: the phases must bind the "
                         "same device tensors"
                     )
+        self._validate_waves(config or HardwareConfig())
         return self
+
+    def _validate_waves(self, cfg: HardwareConfig) -> None:
+        if not self.waves:
+            return
+        w = self.waves
+        if (
+            len(w) != len(self.phases)
+            or w[0] != 0
+            or any(b - a not in (0, 1) for a, b in zip(w, w[1:]))
+        ):
+            raise ProgramError(
+                f"grouped kernel {self.name!r}: waves {w} for {len(self.phases)} phases "
+                "(one per phase, 0, then the same or the next number)"
+            )
+        for wave in self.wave_phases():
+            cores = sum(self.phases[i].cores_used for i in wave)
+            if cores > cfg.cores:
+                raise ProgramError(
+                    f"grouped kernel {self.name!r}: phases {list(wave)} run at once on "
+                    f"{cores} cores, the card has {cfg.cores}"
+                )
+            blocks = [touched_blocks(self.phases[i], self.distinct) for i in wave]
+            for x in range(len(wave)):
+                for y in range(x + 1, len(wave)):
+                    clash = blocks_clash(blocks[x], blocks[y])
+                    if clash:
+                        raise ProgramError(
+                            f"grouped kernel {self.name!r}: phases {wave[x]} and {wave[y]} "
+                            f"run at once but both touch a block of {clash!r} that one writes"
+                        )
 
     def dump(self) -> str:
         head = f"grouped kernel {self.name}: {len(self.phases)} phases, one launch"
@@ -72,6 +129,8 @@ class GroupedProgram:
             "name": self.name,
             "grouped": [p.to_dict() for p in self.phases],
             "meta": self.meta,
+            **({"waves": list(self.waves)} if self.waves else {}),
+            **({"distinct": list(self.distinct)} if self.distinct else {}),
         }
 
     def to_json(self, indent: int | None = None) -> str:
@@ -83,7 +142,65 @@ class GroupedProgram:
             d["name"],
             tuple(Program.from_dict(p) for p in d["grouped"]),
             dict(d.get("meta", {})),
+            tuple(d.get("waves", ())),
+            tuple(d.get("distinct", ())),
         )
+
+
+#: per operand: (writes it, the boxes it touches: per host dim (table, start,
+#: end): rows start..end, or with a table, the rows its entries start..end name)
+Blocks = dict[str, tuple[bool, list[tuple[tuple[str | None, int, int], ...]]]]
+
+
+def touched_blocks(p: Program, distinct: tuple[str, ...] = ()) -> Blocks:
+    """The blocks of each operand ``p`` loads or stores.  A dim addressed
+    through a row table is all of the dim, unless the table's operand is in
+    ``distinct`` (its entries name distinct rows): then it is the table's
+    entries the phase reads, and two phases reading disjoint entries of it
+    address disjoint rows."""
+    out: Blocks = {}
+    tables = {s.buffer: s for s in p.steps if isinstance(s, Load) and s.operand in distinct}
+    for s in p.steps:
+        if not isinstance(s, Load | Store):
+            continue
+        host = p.operand(s.operand).layout.host_size
+        offs = tuple(s.offsets) or (0,) * len(s.index)
+        box: list[tuple[str | None, int, int]] = []
+        for i, d in enumerate(s.index):
+            if s.rows is not None and i == s.rows_dim:
+                t = tables.get(s.rows)
+                if t is None:
+                    box.append((None, 0, host[i]))
+                else:
+                    t0 = (tuple(t.offsets) or (0,))[0]
+                    n = 1 if t.index[0] is None else p.dim(t.index[0]).size
+                    box.append((t.operand, t0, t0 + n))
+            else:
+                n = 1 if d is None else p.dim(d).size
+                box.append((None, offs[i], offs[i] + n))
+        writes, boxes = out.get(s.operand, (False, []))
+        out[s.operand] = (writes or isinstance(s, Store), [*boxes, tuple(box)])
+    return out
+
+
+def blocks_clash(a: Blocks, b: Blocks) -> str | None:
+    """An operand both touch, one writes, in overlapping blocks (None: none).
+    Rows named through a table and rows by position may be the same rows."""
+
+    def overlap(x, y) -> bool:
+        if x[0] != y[0]:
+            return True
+        return x[1] < y[2] and y[1] < x[2]
+
+    for name in a.keys() & b.keys():
+        (wa, ba), (wb, bb) = a[name], b[name]
+        if not (wa or wb):
+            continue
+        for x in ba:
+            for y in bb:
+                if all(overlap(dx, dy) for dx, dy in zip(x, y)):
+                    return name
+    return None
 
 
 def rebase(

@@ -10,10 +10,15 @@ cores, then phase 1, ... (the phases write disjoint sub-blocks of the outputs,
 knows the per-expert token counts (it read them back to size the phases, as
 every grouped-GEMM launcher does) and the cores walk the experts in turn.
 
-Timing: one launch overhead plus each phase's modelled time without its own
-launch (``timing.estimate`` of the phase).  Phases do not overlap (no
-prefetch of the next expert's weights during the current one's compute): a
-small pessimism on short phases, stated here.  An expert that received no
+Timing: one launch overhead plus each wave's modelled time; a wave of one
+phase takes that phase's time without its own launch (``timing.estimate`` of
+the phase).  Phases of a wave run at once on their own cores: the wave takes
+its slowest phase's time, or its phases' device-memory bytes at the
+sustained bandwidth they share, whichever is longer (each phase alone is
+timed with all of the bandwidth; together they cannot move more than the
+card sustains).  Waves do not overlap (no prefetch of the next expert's
+weights during the current one's compute): a small pessimism on short
+phases, stated here.  An expert that received no
 token has no phase (its weights are never read); an expert with many tokens
 has a long phase: the modelled time says what imbalance costs.
 """
@@ -55,18 +60,27 @@ def estimate_grouped(gp: GroupedProgram, config: HardwareConfig | None = None) -
     cfg = config or HardwareConfig()
     reps = [estimate(p, cfg) for p in gp.phases]
     launch = cfg.launch_overhead_s
-    ncores = max(r.cores_used for r in reps)
-    body = [r.time_s - r.launch_s for r in reps]
-    time_s = launch + sum(body)
+    waves = gp.wave_phases()
+    ncores = max(sum(reps[i].cores_used for i in w) for w in waves)
+    body = []
     busy = {u: [0.0] * ncores for u in UNITS}
     core_t = [0.0] * ncores
-    for r in reps:
-        for u in UNITS:
-            for c, x in enumerate(r.busy_s[u]):
-                busy[u][c] += x
-        # a core idle in a phase waits for the phase's slowest core
+    for w in waves:
+        wave_s = max(
+            max(reps[i].time_s - reps[i].launch_s for i in w),
+            sum(reps[i].dram_bytes for i in w) / cfg.sustained_bandwidth_Bps if len(w) > 1 else 0.0,
+        )
+        body.append(wave_s)
+        base = 0
+        for i in w:
+            for u in UNITS:
+                for c, x in enumerate(reps[i].busy_s[u]):
+                    busy[u][base + c] += x
+            base += reps[i].cores_used
+        # a core idle in a wave waits for the wave's slowest phase
         for c in range(ncores):
-            core_t[c] += r.time_s - r.launch_s
+            core_t[c] += wave_s
+    time_s = launch + sum(body)
     flops = sum(r.flops for r in reps)
     vector_ops = sum(r.vector_ops for r in reps)
     compulsory = int(sum(_block_bytes(p) for p in gp.phases))
@@ -105,7 +119,11 @@ def estimate_grouped(gp: GroupedProgram, config: HardwareConfig | None = None) -
         attainment=roof / time_s,
         launch_s=launch,
         dtype=str(mm_dtype).removeprefix("torch."),
-        extra={"phases": float(len(reps)), "phase_time_s": float(sum(body))},
+        extra={
+            "phases": float(len(reps)),
+            "waves": float(len(waves)),
+            "phase_time_s": float(sum(body)),
+        },
         plan=" | ".join(dict.fromkeys(r.plan for r in reps)),
         sustained_roof_s=max(roof, compulsory / cfg.sustained_bandwidth_Bps),
     )
