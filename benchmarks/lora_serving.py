@@ -2,6 +2,7 @@
 
 ``python benchmarks/lora_serving.py [--ranks 8,16,64] [--adapters 1,4,16]
 [--batch 16] [--targets all|qv] [--json F]``
+``python benchmarks/lora_serving.py --estimate [--model granite-3.3-8b] [--batch 16] ...``
 
 SmolLM2-135M (fp16, the offline model store) served by ``vllm.LLM`` on the
 card.  For each rank, one engine with ``enable_lora`` (``max_loras`` = the
@@ -12,6 +13,12 @@ same batch.  The figure is the median modelled card time of the decode steps
 (every request decoding one token) and the LoRA overhead against the engine
 without LoRA.  The row ``0`` adapters is the LoRA engine serving base-model
 requests only (what ``--enable-lora`` costs a batch that uses no adapter).
+
+``--estimate``: the same table for a model at ``spyre estimate`` scale
+(Granite-3.3-8B by default; no weights, ``spyre estimate --lora N,rank``):
+each decoder layer compiled with the LoRA op after every projection, the
+batch's ``--batch`` decode tokens over N adapters (token t on adapter t mod N),
+against the decode step without adapters (models/lora_estimate.py).
 
 Adapters (peft ``LoraConfig``, random A and B) target every linear projection
 (q, k, v, o, gate, up, down) with ``--targets all``, peft's default for
@@ -108,11 +115,40 @@ def close(llm) -> None:
     gc.collect()
 
 
+def estimate_rows(model: str, batch: int, ranks: list[int], counts: list[int]) -> list[dict]:
+    """``spyre estimate --lora N,rank`` for each rank and adapter count: the
+    decode step with adapters against the step without them."""
+    from torch_spyre.models import estimate
+    from torch_spyre.models.lora_estimate import LoraOptions
+
+    base = estimate.estimate(model, batch=batch)
+    rows = []
+    for rank in ranks:
+        for n in counts:
+            est = estimate.estimate(model, batch=batch, lora=LoraOptions(n, rank))
+            base_ms, ms = (est.decode_s - est.lora_s) * 1e3, est.decode_s * 1e3
+            assert abs(base_ms - base.decode_s * 1e3) < 1e-6, (base_ms, base.decode_s)
+            rows.append(
+                {"model": model, "rank": rank, "adapters": n, "batch": batch, "base_ms": base_ms,
+                 "lora_ms": ms, "overhead": ms / base_ms - 1}
+            )  # fmt: skip
+            print(f"rank {rank:3d}  adapters {n:2d}  decode step {ms:8.3f} ms  "
+                  f"(no LoRA {base_ms:.3f} ms)  overhead {100 * (ms / base_ms - 1):5.1f}%",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+def _table(rows: list[dict]) -> None:
+    print("| rank | adapters in batch | decode step, no LoRA (ms) | with LoRA (ms) | overhead |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['rank']} | {r['adapters']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} "
+            f"| {100 * r['overhead']:.1f}% |"
+        )
+
+
 def main() -> None:
-    from vllm.lora.request import LoRARequest
-
-    from torch_spyre.models.offline import folder
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="8,16,64")
     ap.add_argument("--adapters", default="1,4,16")
@@ -126,11 +162,26 @@ def main() -> None:
         "adapters' targets (--lora-target-modules)",
     )
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--estimate", action="store_true", help="spyre estimate --lora, modelled")
+    ap.add_argument("--model", default="granite-3.3-8b", help="with --estimate")
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     counts = [int(n) for n in args.adapters.split(",")]
     if max(counts) > args.batch:
         raise SystemExit(f"--batch {args.batch} holds fewer requests than {max(counts)} adapters")
+    if args.estimate:
+        rows = estimate_rows(args.model, args.batch, ranks, counts)
+        print(f"\n{args.model} fp16, batch {args.batch} decoding, adapters on every projection "
+              "(spyre estimate --lora, modelled)")  # fmt: skip
+        _table(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
+
+    from vllm.lora.request import LoRARequest
+
+    from torch_spyre.models.offline import folder
+
     model = str(folder("smollm2"))
 
     llm = engine(model, args.batch, None)
@@ -162,13 +213,7 @@ def main() -> None:
         f"SmolLM2-135M fp16, batch {args.batch}, adapters on {args.targets} projections, "
         f"LoRA layers on {'every linear layer' if args.wrap == 'all' else 'their targets'}"
     )
-    print("| rank | adapters in batch | decode step, no LoRA (ms) | with LoRA (ms) | overhead |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['rank']} | {r['adapters']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} "
-            f"| {100 * r['overhead']:.1f}% |"
-        )
+    _table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

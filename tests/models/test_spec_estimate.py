@@ -116,8 +116,11 @@ def test_serve_plan_with_speculation(config_path, target):
 
 
 def test_lora_programs_in_the_decode_step(config_path, target):
-    """--lora N,rank: every decode step runs the grouped LoRA program of each
-    projection over its tokens (N adapters resident), a decode-only part."""
+    """--lora N,rank: the decode step is each layer compiled with the op
+    spyre::punica_sgmv after every projection (one grouped program each over
+    the step's tokens, N adapters resident), as a served step with adapter
+    tokens runs; the LoRA cost is that step less the step without adapters,
+    which includes the fusions the op splits."""
     from torch_spyre.models import lora_estimate as L
 
     assert L.LoraOptions.parse("4, 16") == L.LoraOptions(4, 16)
@@ -126,14 +129,20 @@ def test_lora_programs_in_the_decode_step(config_path, target):
     cfg = parallel.load_config(config_path)
     opts = L.LoraOptions(4, 16)
     est = E.estimate(config_path, prompt=PROMPT, new_tokens=NEW, config=cfg, batch=4, lora=opts)
-    (part,) = [p for p in est.decode if p.name.startswith("LoRA deltas")]
-    assert part.count == 2 and len(part.kernels) == 7  # 7 projections, one program each
-    assert all(name.startswith("lora_sgmv") for name, _ in part.kernels)
-    assert est.lora_s == part.total_s > 0
-    assert not any(p.name.startswith("LoRA") for p in est.prefill)
+    plain = E.estimate(config_path, prompt=PROMPT, new_tokens=NEW, config=cfg, batch=4)
+    (layer,) = [p for p in est.decode if p.name.startswith("decoder layer")]
+    (base,) = [p for p in plain.decode if p.name.startswith("decoder layer")]
+    assert layer.count == base.count == 2
+    # 7 projections, one LoRA program each, in the layer's graph
+    assert sum(name.startswith("lora_sgmv") for name, _ in layer.kernels) == 7
+    assert not any(name.startswith("lora_sgmv") for name, _ in base.kernels)
+    # what the adapters cost is the step with them less the step without
+    assert est.lora_s == pytest.approx(est.decode_s - plain.decode_s, rel=1e-9)
+    lora_programs = sum(t for name, t in layer.kernels if name.startswith("lora_sgmv"))
+    assert est.lora_s > layer.count * lora_programs * 0.5 > 0
+    assert est.prefill_s == plain.prefill_s
     # the stacks: 4 slots x rank 16 x (in + out) of every projection, fp16
     dims = [(256, 256), (256, 128), (256, 128), (256, 256), (256, 640), (256, 640), (640, 256)]
     stacks = 2 * 4 * 16 * sum(i + o for i, o in dims) * 2
-    plain = E.estimate(config_path, prompt=PROMPT, new_tokens=NEW, config=cfg, batch=4)
     assert est.extra_weight_bytes - plain.extra_weight_bytes == stacks
-    assert "LoRA programs:" in est.format()
+    assert "LoRA:" in est.format()

@@ -107,6 +107,7 @@ def _lora_state(worker) -> dict:
     """Runs inside the worker: where the LoRA stacks and metadata live, what ran."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
+    from torch_spyre.ops import lora as lora_ops
     from torch_spyre.runtime import dispatch_stats
     from torch_spyre.vllm_plugin import lora as lora_plugin
 
@@ -116,6 +117,8 @@ def _lora_state(worker) -> dict:
     return {
         "layers": len(layers),
         "stacks": {t.device.type for m in layers for t in (*m.lora_a_stacked, *m.lora_b_stacked)},
+        # B stacks stored transposed (whole sticks of n), as the programs read them
+        "b_transposed": {lora_ops.stored_b(list(m.lora_b_stacked))[1] for m in layers},
         "metadata": {
             t.device.type
             for g in (wrapper.tokens, wrapper.sampled)
@@ -163,6 +166,7 @@ def test_mixed_adapter_batch_equals_peft(
     state = lora_llm.collective_rpc(_lora_state)[0]
     assert state["layers"] == 2 * 4  # qkv, o, gate_up, down per layer
     assert state["stacks"] == {"spyre"} and state["metadata"] == {"spyre"}
+    assert state["b_transposed"] == {True}
     # --max-loras slots of --max-lora-rank: A [4, 1, 8, hidden], B [4, 1, q out, 8]
     assert state["stack_shapes"] == {((N_ADAPTERS, 1, RANK, 128), (N_ADAPTERS, 1, 128, RANK))}
     # the compiled forward: per token bucket a graph with the LoRA op (an opaque

@@ -27,6 +27,7 @@ nothing.  The adapters' scaling is folded into ``B`` by vLLM's loader.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
@@ -41,10 +42,13 @@ from torch_spyre.ir import (
     ProgramError,
     Store,
     Vector,
+    blocks_clash,
     rebase,
+    touched_blocks,
 )
 from torch_spyre.kernels.moe import group_phases, matmul_template
 from torch_spyre.layout import SpyreTensorLayout, stick_elems
+from torch_spyre.sim.grouped import estimate_grouped
 
 I32 = torch.int32
 
@@ -59,6 +63,7 @@ def sgmv(
     out_rows: int,
     live: tuple[tuple[bool, ...], ...] | None = None,
     shrink: bool = True,
+    bt: bool = False,
     config: HardwareConfig | None = None,
 ) -> GroupedProgram:
     """Shrink and expand of every slice for the grouped LoRA rows, one launch.
@@ -69,7 +74,8 @@ def sgmv(
     [``out_rows``, sum(n_i)] (at least R rows; rows past R are not written).
     ``shrink=False``: expand only, ``x`` [R, r] already shrunk (the embedding's
     LoRA, whose ``A`` rows are gathered by token id), no ``a{i}`` nor ``s{i}``.
-    ``live[i][e]`` as ``sgmv_indexed`` (None: every slot of every slice).
+    ``live[i][e]`` as ``sgmv_indexed`` (None: every slot of every slice);
+    ``bt`` as ``sgmv_indexed``.
     """
     cfg = config or HardwareConfig()
     num = len(counts)
@@ -82,34 +88,42 @@ def sgmv(
     s_l = lay((r, rank), dtype)
     if not shrink and k != rank:
         raise ProgramError(f"lora expand: x has {k} columns, the rank is {rank}")
-    shrinks, expand = [], []
+    shrinks, expands = [], []
     off = 0
     for i, n in enumerate(slices):
         a_l = lay((num, 1, rank, k), dtype)
-        b_l = lay((num, 1, n, rank), dtype)
+        b_l, b_perm = _b_stack(num, n, rank, dtype, bt)
         for e, row0, rows in group_phases(counts):
             if live is not None and not live[i][e]:
                 continue
             if shrink:
-                p = matmul_template(rows, k, rank, dtype, cfg)
-                p = rebase(p, "a", x_l, offsets=(row0, 0), rename="x")
-                p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
-                p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
-                shrinks.append(_named(p, f"shrink{i}_slot{e}_{rows}rows"))
-            p = matmul_template(rows, rank, n, dtype, cfg)
-            src = f"s{i}" if shrink else "x"
-            p = rebase(p, "a", s_l, offsets=(row0, 0), rename=src)
-            p = rebase(p, "b", b_l, lead=(e, 0), perm=(1, 0), rename=f"b{i}")
-            p = rebase(p, "out", out_l, offsets=(row0, off))
-            expand.append(_named(p, f"expand{i}_slot{e}_{rows}rows"))
+
+                def shrink_phase(c, i=i, e=e, row0=row0, rows=rows, a_l=a_l):
+                    p = matmul_template(rows, k, rank, dtype, c)
+                    p = rebase(p, "a", x_l, offsets=(row0, 0), rename="x")
+                    p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
+                    p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
+                    return _named(p, f"shrink{i}_slot{e}_{rows}rows")
+
+                shrinks.append(shrink_phase)
+
+            def expand_phase(c, i=i, e=e, row0=row0, rows=rows, n=n, off=off, b=(b_l, b_perm)):
+                p = matmul_template(rows, rank, n, dtype, c)
+                p = rebase(p, "a", s_l, offsets=(row0, 0), rename=f"s{i}" if shrink else "x")
+                p = rebase(p, "b", b[0], lead=(e, 0), perm=b[1], rename=f"b{i}")
+                p = rebase(p, "out", out_l, offsets=(row0, off))
+                return _named(p, f"expand{i}_slot{e}_{rows}rows")
+
+            expands.append((e, expand_phase))
         off += n
-    if not expand:
+    if not expands:
         raise ProgramError("lora sgmv: no slot has rows")
     kind = "sgmv" if shrink else "expand"
-    return GroupedProgram(
-        f"lora_{kind}_{len(expand) // len(slices)}of{num}_{k}x{rank}x"
+    return in_waves(
+        f"lora_{kind}_{len(expands) // len(slices)}of{num}_{k}x{rank}x"
         f"{'+'.join(map(str, slices))}_{r}rows",
-        (*shrinks, *expand),
+        [shrinks, _slot_major(expands)],
+        cfg,
     )
 
 
@@ -124,6 +138,7 @@ def sgmv_indexed(
     tokens: int,
     starts: tuple[int | None, ...] | None = None,
     table_rows: int | None = None,
+    bt: bool = False,
     config: HardwareConfig | None = None,
 ) -> GroupedProgram:
     """``y[t] += x[t] @ A_i[e]^T @ B_i[e]^T`` for the LoRA tokens, one launch, no copies.
@@ -139,7 +154,10 @@ def sgmv_indexed(
     ``e`` holds weights for slice ``i``; a dead (slice, slot) costs nothing.
     ``s{i}`` [R, r] is scratch.  The slices' column offsets in ``y`` must be
     whole sticks.  ``table_rows``: the rows of the ``rows`` operand (a fixed
-    buffer; at least R).
+    buffer; at least R).  ``bt``: each ``b{i}`` is stored transposed, [L, 1, r,
+    n_i] (vLLM's [L, 1, n_i, r] stack as a transposed view of it): the stick
+    dim is then the slice's columns, where [.., n_i, r] pads a rank under a
+    stick (16 of 64 fp16 values) to a whole stick, reading 4x the bytes.
     """
     cfg = config or HardwareConfig()
     num = len(counts)
@@ -155,33 +173,103 @@ def sgmv_indexed(
         if off % stick_elems(dtype):
             raise ProgramError(f"lora sgmv: slice {i} starts at column {off}, not a stick")
         a_l = lay((num, 1, rank, k), dtype)
-        b_l = lay((num, 1, n, rank), dtype)
+        b_l, b_perm = _b_stack(num, n, rank, dtype, bt)
         for e, row0, rows in group_phases(counts):
             if not live[i][e]:
                 continue
             t0 = starts[e]
             gather = t0 is None
-            p = _shrink_template(rows, k, rank, dtype, gather, cfg)
-            p = rebase(p, "a", x_l, offsets=(0 if gather else t0, 0), rename="x")
-            if gather:
-                p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
-            p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
-            p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
-            shrinks.append(_named(p, f"shrink{i}_slot{e}_{rows}rows"))
-            p = _expand_template(rows, rank, n, dtype, gather, cfg)
-            p = rebase(p, "a", s_l, offsets=(row0, 0), rename=f"s{i}")
-            if gather:
-                p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
-            p = rebase(p, "b", b_l, lead=(e, 0), perm=(1, 0), rename=f"b{i}")
-            p = rebase(p, "out", y_l, offsets=(0 if gather else t0, off), rename="y")
-            expands.append(_named(p, f"expand{i}_slot{e}_{rows}rows"))
+            at = (0 if gather else t0, 0)
+
+            def shrink_phase(c, i=i, e=e, row0=row0, rows=rows, gather=gather, at=at, a_l=a_l):
+                p = _shrink_template(rows, k, rank, dtype, gather, c)
+                p = rebase(p, "a", x_l, offsets=at, rename="x")
+                if gather:
+                    p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
+                p = rebase(p, "b", a_l, lead=(e, 0), perm=(1, 0), rename=f"a{i}")
+                p = rebase(p, "out", s_l, offsets=(row0, 0), rename=f"s{i}")
+                return _named(p, f"shrink{i}_slot{e}_{rows}rows")
+
+            def expand_phase(
+                c, i=i, e=e, row0=row0, rows=rows, gather=gather, n=n, off=off, b=(b_l, b_perm)
+            ):
+                p = _expand_template(rows, rank, n, dtype, gather, c)
+                p = rebase(p, "a", s_l, offsets=(row0, 0), rename=f"s{i}")
+                if gather:
+                    p = rebase(p, "idx", rows_l, offsets=(row0, 0), rename="rows")
+                p = rebase(p, "b", b[0], lead=(e, 0), perm=b[1], rename=f"b{i}")
+                y_at = (0 if gather else starts[e], off)
+                p = rebase(p, "out", y_l, offsets=y_at, rename="y")
+                return _named(p, f"expand{i}_slot{e}_{rows}rows")
+
+            shrinks.append(shrink_phase)
+            expands.append((e, expand_phase))
         off += n
     if not expands:
         raise ProgramError("lora sgmv: no live slot has rows")
-    return GroupedProgram(
+    return in_waves(
         f"lora_sgmv_{len(expands)}ph_{k}x{rank}x{'+'.join(map(str, slices))}_{r}of{tokens}rows",
-        (*shrinks, *expands),
+        [shrinks, _slot_major(expands)],
+        cfg,
+        distinct=("rows",),  # the batch's LoRA tokens in slot order, each once
     )
+
+
+def _slot_major(expands: list) -> list:
+    """The expand phases slot by slot: a slot's slices write disjoint columns,
+    two slots' rows are distinct tokens (adjacent runs, or disjoint entries of
+    the row table)."""
+    return [make for _, make in sorted(expands, key=lambda t: t[0])]
+
+
+def in_waves(
+    name: str, stages: list[list], cfg: HardwareConfig, distinct: tuple[str, ...] = ()
+) -> GroupedProgram:
+    """One launch of ``stages`` in order (a stage's phases are independent of
+    one another and read what earlier stages wrote), its phases packed into
+    waves (``ir.grouped``: phases at once on disjoint cores) as the search
+    finds fastest: ``width`` phases at a time on ``cores // width`` cores
+    each, width 1 being the phases in turn on every core.  A phase that
+    clashes with one already in the wave (a block both touch, one writes)
+    starts the next wave.  ``stages``: lists of ``phase(config) -> Program``;
+    ``distinct``: row-table operands whose entries are distinct rows
+    (``GroupedProgram.distinct``)."""
+    from torch_spyre.kernels.search import search
+
+    def build(width: int) -> GroupedProgram:
+        sub = cfg if width == 1 else replace(cfg, cores=cfg.cores // width)
+        phases: list[Program] = []
+        waves: list[int] = []
+        wave = -1
+        for stage in stages:
+            members: list = []
+            for make in stage:
+                p = make(sub)
+                blocks = touched_blocks(p, distinct)
+                if len(members) in (0, width) or any(blocks_clash(blocks, m) for m in members):
+                    wave, members = wave + 1, []
+                members.append(blocks)
+                phases.append(p)
+                waves.append(wave)
+        return GroupedProgram(
+            name, tuple(phases), waves=tuple(waves) if width > 1 else (), distinct=distinct
+        )
+
+    most = max(len(st) for st in stages)
+    widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= min(most, cfg.cores)]
+    return search(
+        widths, build, cfg, what=name, cost=lambda g: estimate_grouped(g, cfg).time_s
+    ).result
+
+
+def _b_stack(num: int, n: int, rank: int, dtype: torch.dtype, bt: bool):
+    """The layout of one slice's B stack and how its trailing dims map to the
+    expand template's b [rank, n]: stored [L, 1, n, r] (perm (1, 0)), or
+    transposed, [L, 1, r, n] (as is)."""
+    lay = SpyreTensorLayout.default
+    if bt:
+        return lay((num, 1, rank, n), dtype), None
+    return lay((num, 1, n, rank), dtype), (1, 0)
 
 
 def _splits(rows: int, k: int, n: int, dtype: torch.dtype, cfg: HardwareConfig, split_k: bool):

@@ -552,7 +552,7 @@ def estimate(
             out.append(logits)
         return tuple(out)
 
-    def layer_step(layer, whole):
+    def layer_step(layer, whole, adapters=False):
         # Gemma 4's layers hand their keys/values to later KV-sharing layers
         # through a dict the model passes in (none share here: a fresh one)
         share = "shared_kv_states" in inspect.signature(layer.forward).parameters
@@ -564,7 +564,15 @@ def estimate(
                 h, position_embeddings=(cos, sin), attention_mask=mask, cache=cache, **extra
             )
 
-        return torch.compile(step, fullgraph=True, dynamic=False)
+        def step_with_adapters(*args):
+            # its own code object: Dynamo keys compiled frames by code and does
+            # not guard on module hooks (skip_nnmodule_hook_guards), so the
+            # hooked layer would reuse the graph compiled without them
+            return step(*args)
+
+        return torch.compile(
+            step_with_adapters if adapters else step, fullgraph=True, dynamic=False
+        )
 
     def compiled(fn):
         return torch.compile(fn, fullgraph=True, dynamic=False)
@@ -582,6 +590,7 @@ def estimate(
         phases.append(("verify", 1 + spec_tokens))
     torch_spyre.reset_fallback_counts()
     dispatch_stats.reset("fallback")
+    lora_saved_s = 0.0  # the decode step without adapters, less the step with them
     ctx = timing_only_mode() if timing_only else contextlib.nullcontext()
     dyn_cfg = torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
     with ctx, dyn_cfg:
@@ -649,20 +658,29 @@ def estimate(
                         ),
                     )[0]
                 )
-                del keys, values
                 if lora is not None and phase == "decode":
                     from torch_spyre.models import lora_estimate
 
                     layer = base.layers[i]
                     # the stacks are resident: device memory beside the weights
                     extra += counts[kind] * lora_estimate.stack_bytes(layer, lora, dtype)
-                    parts.append(
-                        _run_part(
-                            f"{lora.label}, {kind}",
-                            counts[kind],
-                            lambda m=layer: lora_estimate.run_deltas(m, batch, lora, dtype),
+                    # the step is the layer compiled with the LoRA ops in it
+                    # (what a served step with adapter tokens runs); the part
+                    # without them is kept to state what the adapters cost
+                    without = parts.pop()
+                    lora_saved_s += without.total_s
+                    with lora_estimate.adapters_on(layer, pb * tokens, lora, dtype):
+                        fn = layer_step(layer, whole=True, adapters=True)
+                        part = _run_part(
+                            label,  # the same layer, with adapters
+                            counts[kind] * reps,
+                            lambda fn=fn, h=h, c=cos, s=sin, p=slot_d, k=keys, v=values, m=mask: fn(
+                                h, c, s, p, k, v, m
+                            ),
                         )[0]
-                    )
+                    parts.append(part)
+                    lora_saved_s -= part.total_s
+                del keys, values
             # the LM head on the last position; a verification step's on all
             # k + 1 (each position's logits check the next draft)
             hs = compiled(functools.partial(head_step, rows=tokens if phase == "verify" else 1))
@@ -741,6 +759,7 @@ def estimate(
         cache_len=cache_len,
         prefill=prefill_parts,
         decode=decode_parts,
+        lora_s=-lora_saved_s if lora is not None else 0.0,
         verify=phase_parts["verify"],
         spec_tokens=spec_tokens,
         weights_bytes=weight_bytes,

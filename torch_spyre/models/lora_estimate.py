@@ -1,22 +1,23 @@
-"""``spyre estimate --lora N,rank``: the LoRA programs of a decode step, modelled.
+"""``spyre estimate --lora N,rank``: a decode step with adapters on every projection, modelled.
 
 Every linear projection of a decoder layer (attention and MLP; vLLM's LoRA
-layers wrap the same ones) gets the program a served step runs for it:
-``ops.lora.sgmv_add_``, one grouped shrink/expand launch per projection over
-the step's tokens, here ``batch`` decode tokens spread over ``N`` resident
-adapters of rank ``rank`` (token t uses adapter t mod N; the stacks hold N
-slots in device memory).  The programs run on the card in timing-only mode
-and their modelled time is a part of the decode step
-(``"LoRA deltas (N adapters, rank r)"``), counted once per layer of the kind.
-
-What it does not count: in a served step the LoRA op sits between a
-projection and its epilogue, so those epilogues (RoPE, the residual add, the
-SwiGLU program) run apart; the vLLM measurement of that is in
-docs/serving.md ("Multi-LoRA").  The part is the adapters' own programs.
+layers wrap the same ones) adds its LoRA deltas to its output through the op
+a served step runs, ``spyre::punica_sgmv`` (``ops/lora.py``: one grouped
+shrink/expand launch per projection over the step's tokens), here ``batch``
+decode tokens spread over ``N`` resident adapters of rank ``rank`` (token t
+uses adapter t mod N, so the rows are gathered through the row table, as a
+served batch's interleaved requests are; the stacks hold N slots in device
+memory).  ``adapters_on`` puts the op after each projection (a forward hook)
+and the decode step compiles the layer with it, so the step is the graph a
+served step with adapter tokens runs: the op is an opaque node between a
+projection and its epilogue, and the fusions it separates (RoPE in the QKV
+epilogue, the residual add, the SwiGLU program) are lost there as they are
+when served.  The LoRA cost is that step against the step without adapters.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,17 +58,55 @@ def stack_bytes(layer: nn.Module, opts: LoraOptions, dtype: torch.dtype) -> int:
     return per * opts.adapters * dtype.itemsize
 
 
-def run_deltas(layer: nn.Module, tokens: int, opts: LoraOptions, dtype: torch.dtype) -> None:
-    """The step's LoRA programs for ``layer``'s projections on ``tokens`` rows."""
+class _Grouping:
+    """The estimate's step as the op's source (``ops.lora.Source``): every
+    slot of every layer holds weights."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+
+    def grouping(self, sampled: bool):
+        return self.index
+
+    def live(self, b0: torch.Tensor) -> None:
+        return None
+
+
+def _add_deltas(module: nn.Linear, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Forward hook: ``out +=`` the module's LoRA deltas (as vLLM's LoRA layer)."""
+    x = args[0]
+    y = out.view(-1, out.shape[-1])
+    torch.ops.spyre.punica_sgmv(
+        y, x.reshape(-1, x.shape[-1]), [module.spyre_lora_a], [module.spyre_lora_b], False
+    )
+    return out
+
+
+@contextmanager
+def adapters_on(layer: nn.Module, tokens: int, opts: LoraOptions, dtype: torch.dtype):
+    """``layer``'s projections with adapters: stacks of ``opts.adapters`` slots
+    on the card, the op after each projection, the step's ``tokens`` rows
+    grouped by slot (token t on slot t mod N).  A graph compiled inside holds
+    the LoRA ops."""
     from torch_spyre.ops import lora
 
     dev = torch.device("spyre")
     slots = np.arange(tokens) % opts.adapters
-    index = lora.row_index(slots, opts.adapters, tokens, dev)
-    for p in projections(layer):
-        k, n = p.in_features, p.out_features
-        a = torch.empty(opts.adapters, 1, opts.rank, k, dtype=dtype, device=dev)
-        b = torch.empty(opts.adapters, 1, n, opts.rank, dtype=dtype, device=dev)
-        x = torch.empty(tokens, k, dtype=dtype, device=dev)
-        y = torch.empty(tokens, n, dtype=dtype, device=dev)
-        lora.sgmv_add_(y, x, index, [a], [b])
+    lora.set_source(_Grouping(lora.row_index(slots, opts.adapters, tokens, dev)))
+    hooks = []
+    try:
+        for p in projections(layer):
+            k, n = p.in_features, p.out_features
+            a = torch.empty(opts.adapters, 1, opts.rank, k, dtype=dtype, device=dev)
+            p.register_buffer("spyre_lora_a", a, persistent=False)
+            b = lora.b_stack(opts.adapters, n, opts.rank, dtype, dev)  # as served
+            p.register_buffer("spyre_lora_b", b, persistent=False)
+            hooks.append(p.register_forward_hook(_add_deltas))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for p in projections(layer):
+            for name in ("spyre_lora_a", "spyre_lora_b"):
+                p._buffers.pop(name, None)
+        lora.set_source(None)

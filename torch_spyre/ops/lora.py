@@ -21,14 +21,17 @@ fp32 LM head's logits; the embedding's expand-only LoRA), the rows are
 grouped by a gather, the grouped kernel ``kernels.lora.sgmv`` runs, and each
 token's delta is gathered back and added (four more card programs).
 
-vLLM's punica wrapper calls it through its op ``spyre::punica_sgmv``
-(``vllm_plugin/lora.py``), one node of compiled graphs (a fallback kernel
-calling this eager kernel, as ``spyre::moe_experts``).
+Compiled graphs call it through the op ``spyre::punica_sgmv`` (an opaque
+node: a fallback kernel calling this eager kernel, as ``spyre::moe_experts``),
+which reads the step's grouping, when it runs, from the ``Source`` set with
+``set_source``: vLLM's punica wrapper (``vllm_plugin/lora.py``), or
+``spyre estimate --lora`` (``models/lora_estimate.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -171,6 +174,24 @@ def check(
         raise RuntimeError("lora sgmv: " + "; ".join(problems))
 
 
+def b_stack(slots: int, n: int, rank: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero B stack [slots, 1, n, rank] for the card, stored transposed: the
+    view of an [slots, 1, rank, n] tensor.  In the default layout the last dim
+    is the stick dim, so [.., n, rank] would pad each rank-``rank`` row to a
+    whole stick (a rank-16 fp16 stack: 4x its bytes, in device memory and in
+    every expand's reads); stored [.., rank, n] it is whole sticks of ``n``."""
+    return torch.zeros((slots, 1, rank, n), dtype=dtype, device=device).transpose(2, 3)
+
+
+def stored_b(b: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The B stacks as the program reads them, and whether they are stored
+    transposed (every one a view ``b_stack`` made: the program reads the
+    [L, 1, r, n] tensors under them)."""
+    if all(operands.is_whole_default(bi.transpose(2, 3)) for bi in b):
+        return [bi.transpose(2, 3) for bi in b], True
+    return list(b), False
+
+
 def _kernel(key: tuple, build) -> launch.Kernel:
     """The cached kernel for ``key``; a program the builder rejects is cached as None."""
 
@@ -196,7 +217,8 @@ def _indexed(y, x, index: RowIndex, a, b, live) -> bool:
     dev = x.device
     m = index.rows32.shape[0]
     starts = index.starts or (None,) * len(counts)
-    key = ("lora_sgmv_indexed", counts, starts, k, rank, slices, live, x.dtype, t, m)
+    b, bt = stored_b(b)
+    key = ("lora_sgmv_indexed", counts, starts, k, rank, slices, live, x.dtype, t, m, bt)
     cfg = cards.config(dev.index or 0)
     kern = _kernel(
         key,
@@ -210,6 +232,7 @@ def _indexed(y, x, index: RowIndex, a, b, live) -> bool:
             tokens=t,
             starts=starts,
             table_rows=m,
+            bt=bt,
             config=cfg,
         ),  # fmt: skip
     )
@@ -245,12 +268,14 @@ def _grouped(y, x, index: RowIndex, a, b, live) -> None:
     xg = x.index_select(0, index.rows[:r])
     # one zero row past the grouped rows: base-model and padding tokens gather it
     out = torch.zeros((r + 1, y.shape[1]), dtype=x.dtype, device=dev)
-    key = ("lora_sgmv", counts, k, rank, slices, live, x.dtype, r + 1, shrink)
+    b, bt = stored_b(b)
+    key = ("lora_sgmv", counts, k, rank, slices, live, x.dtype, r + 1, shrink, bt)
     cfg = cards.config(dev.index or 0)
     kern = _kernel(
         key,
         lambda: lora.sgmv(
-            counts, k, rank, slices, x.dtype, out_rows=r + 1, live=live, shrink=shrink, config=cfg
+            counts, k, rank, slices, x.dtype, out_rows=r + 1, live=live, shrink=shrink, bt=bt,
+            config=cfg,
         ),
     )
     if kern.program is None:
@@ -271,3 +296,43 @@ def _grouped(y, x, index: RowIndex, a, b, live) -> None:
     kern.launch_memory(dev.index or 0, buffers)
     dispatch_stats.record("kernel", "lora_sgmv_grouped")
     y.add_(out.index_select(0, index.inv[:t]))
+
+
+class Source(Protocol):
+    """Who holds the step's grouping the op ``spyre::punica_sgmv`` reads."""
+
+    def grouping(self, sampled: bool) -> RowIndex | None:
+        """The grouping of the step's tokens (``sampled``: of its sampled rows,
+        the LM head's)."""
+
+    def live(self, b0: torch.Tensor) -> tuple[tuple[bool, ...], ...] | None:
+        """Which slots hold weights, per slice, of the layer whose first B
+        stack is ``b0`` (None: every slot)."""
+
+
+_source: Source | None = None
+
+
+def set_source(source: Source | None) -> None:
+    """The grouping the op reads from now on (the step's producer sets it)."""
+    global _source
+    _source = source
+
+
+@torch.library.custom_op("spyre::punica_sgmv", mutates_args=("y",))
+def punica_sgmv(
+    y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], sampled: bool
+) -> None:
+    """``y +=`` the step's LoRA deltas of one projection (slices ``a[i]``/``b[i]``;
+    ``a`` empty: ``x`` is already shrunk), the step's grouping of its tokens (or
+    of its sampled rows) read from the source when it runs."""
+    src = _source
+    index = None if src is None else src.grouping(sampled)
+    if index is None or not any(index.counts):
+        return
+    sgmv_add_(y, x, index, a, b, src.live(b[0]))  # type: ignore[union-attr]
+
+
+@punica_sgmv.register_fake
+def _(y, x, a, b, sampled):
+    return None

@@ -74,8 +74,7 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
         self._embeddings_indices = torch.zeros(
             max_num_batched_tokens, dtype=torch.int64, device=SPYRE
         )
-        global _active
-        _active = self
+        lora_ops.set_source(self)
 
     def update_metadata(
         self,
@@ -88,9 +87,17 @@ class SpyrePunicaWrapper(PunicaWrapperBase):
         super().update_metadata(mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
         self.tokens.update(self.token_lora_indices.numpy())
         self.sampled.update(self.sampler_indices.numpy())
-        global _active, _step_has_lora
-        _active = self
+        global _step_has_lora
+        lora_ops.set_source(self)
         _step_has_lora = any(self.tokens.counts)
+
+    # -- what the op spyre::punica_sgmv reads when it runs (ops/lora.py) ---------
+    def grouping(self, sampled: bool) -> lora_ops.RowIndex:
+        return (self.sampled if sampled else self.tokens).index
+
+    def live(self, b0: torch.Tensor) -> tuple[tuple[bool, ...], ...] | None:
+        live = _live.get(b0.data_ptr())
+        return None if live is None else _as_tuple(live)
 
     # -- what the LoRA layers call ------------------------------------------
     def add_lora_linear(
@@ -172,8 +179,6 @@ _REFUSED = (
     "projections (q/k/v/o, gate/up/down)"
 )
 
-#: the wrapper whose metadata the op reads (the language model's: one per process)
-_active: SpyrePunicaWrapper | None = None
 #: the step has tokens with an adapter.  The LoRA layers' calls are skipped when
 #: it is False, and Dynamo guards on it: each token bucket compiles two graphs, one
 #: without the LoRA ops (a step of base-model requests keeps the compiler's fusions,
@@ -222,26 +227,6 @@ class Grouping:
         self.index.starts = lora_ops.runs(counts, rows)
 
 
-@torch.library.custom_op("spyre::punica_sgmv", mutates_args=("y",))
-def punica_sgmv(
-    y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], sampled: bool
-) -> None:
-    """``y +=`` the step's LoRA deltas of one projection (slices ``a[i]``/``b[i]``;
-    ``a`` empty: ``x`` is already shrunk), the step's grouping of its tokens (or
-    of its sampled rows) read from the active punica wrapper when it runs."""
-    w = _active
-    g = None if w is None else (w.sampled if sampled else w.tokens)
-    if g is None or not any(g.counts):
-        return
-    live = _live.get(b[0].data_ptr())
-    lora_ops.sgmv_add_(y, x, g.index, a, b, None if live is None else _as_tuple(live))
-
-
-@punica_sgmv.register_fake
-def _(y, x, a, b, sampled):
-    return None
-
-
 #: which slots hold weights, per LoRA layer ([slice, slot] booleans), keyed by the
 #: card address of the layer's first B stack (what the op is handed)
 _live: dict[int, np.ndarray] = {}
@@ -284,19 +269,20 @@ def track_live_slots(m: torch.nn.Module, slices: int, slots: int) -> np.ndarray:
 
 def stacks_to_card(model: torch.nn.Module) -> int:
     """Every LoRA layer's weight stacks as card tensors (zeros: no adapter is
-    active yet), registered as buffers; returns the device bytes they take."""
+    active yet), registered as buffers; returns the device bytes they take
+    (allocated: a stack's stick padding included)."""
     from vllm.lora.layers.base import BaseLayerWithLoRA
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
     from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
     from vllm.lora.layers.vocab_parallel_embedding import VocabParallelEmbeddingWithLoRA
 
-    total = 0
+    before = torch.spyre.memory_allocated()
     for name, m in model.named_modules():
         if not isinstance(m, BaseLayerWithLoRA):
             continue
         if isinstance(m, VocabParallelEmbeddingWithLoRA | LogitsProcessorWithLoRA):
             for attr in ("lora_a_stacked", "lora_b_stacked"):
-                total += _to_card(m, attr, 0, getattr(m, attr))
+                _to_card(m, attr, 0, getattr(m, attr))
                 setattr(m, attr, getattr(m, f"spyre_{attr}_0"))
             if isinstance(m, VocabParallelEmbeddingWithLoRA):
                 a = m.lora_a_stacked
@@ -308,16 +294,22 @@ def stacks_to_card(model: torch.nn.Module) -> int:
         for attr in ("lora_a_stacked", "lora_b_stacked"):
             stacks = getattr(m, attr)
             for i, t in enumerate(stacks):
-                total += _to_card(m, attr, i, t)
+                _to_card(m, attr, i, t)
             setattr(m, attr, tuple(getattr(m, f"spyre_{attr}_{i}") for i in range(len(stacks))))
         m.device = SPYRE
         b0 = m.lora_b_stacked[0]
         _live[b0.data_ptr()] = track_live_slots(m, len(m.lora_b_stacked), b0.shape[0])
-    return total
+    return torch.spyre.memory_allocated() - before
 
 
-def _to_card(m: torch.nn.Module, attr: str, i: int, t: torch.Tensor) -> int:
-    """A zero card tensor like host stack ``t``, buffer ``spyre_{attr}_{i}`` of ``m``."""
-    c = torch.zeros(t.shape, dtype=t.dtype, device=SPYRE)
+def _to_card(m: torch.nn.Module, attr: str, i: int, t: torch.Tensor) -> None:
+    """A zero card tensor like host stack ``t``, buffer ``spyre_{attr}_{i}`` of ``m``.
+
+    A B stack [L, 1, n, r] is the transposed view of an [L, 1, r, n] card
+    tensor (``ops.lora.b_stack``: whole sticks of n, not a stick per row for a
+    rank under one); vLLM's ``set_lora`` / ``reset_lora`` write through the view."""
+    if attr == "lora_b_stacked" and t.dim() == 4:
+        c = lora_ops.b_stack(t.shape[0], t.shape[2], t.shape[3], t.dtype, SPYRE)
+    else:
+        c = torch.zeros(t.shape, dtype=t.dtype, device=SPYRE)
     m.register_buffer(f"spyre_{attr}_{i}", c, persistent=False)
-    return c.numel() * c.element_size()
