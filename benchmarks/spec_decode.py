@@ -29,17 +29,52 @@ import gc
 import json
 import os
 
-#: the stated prompt set: text whose continuation the prompt itself holds ...
+#: the stated prompt set: tasks whose answer copies the prompt, the work
+#: prompt lookup is for (lists, quoting a text, repeating code, extending a
+#: table or JSON records, a repeated sentence); for each, SmolLM2's own greedy
+#: continuation is what it is (``fox`` and ``records`` leave the pattern after
+#: a few tokens) ...
 PROMPTS = {
     "weekdays": "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
     "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+    "copy": "Text: The committee approved the budget for the new library, which will open in "
+    "the spring with a reading room, a children's corner and a small cafe.\n"
+    "The same text, copied exactly:\nText: The committee approved",
+    "code": "def area(width, height):\n    return width * height\n\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n\n\n"
+    "# The same two functions again:\n\ndef area(width, height):\n",
+    "csv": "name,city,country\nAlice,Paris,France\nBob,Paris,France\nCarol,Paris,France\n"
+    "Dave,Paris,France\nEve,",
     "records": '{"name": "Alice", "age": 30}, {"name": "Bob", "age": 31}, '
     '{"name": "Carol", "age": 32}, {"name": "Dave",',
     "fox": "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over "
     "the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
-    # ... and one where it does not
+    # ... and one where it does not (the control, outside the set's figure)
     "open": "The capital of France is",
 }
+CONTROL = {"open"}
+
+
+def set_rows(rows: list[dict]) -> list[dict]:
+    """Per k, the repetitive set as one workload: every prompt of the set alone
+    at batch 1, its tokens over its modelled card time (prefill included), and
+    the acceptance over all its drafts."""
+    out = []
+    for k in sorted({r["k"] for r in rows}):
+        rs = [r for r in rows if r["k"] == k and r["prompt"] not in CONTROL]
+        tokens = sum(r["tokens"] for r in rs)
+        secs = sum(r["modelled_ms_per_token"] * r["tokens"] for r in rs) / 1e3
+        drafted = sum(r["drafted"] for r in rs)
+        out.append(
+            {"k": k, "prompts": len(rs), "tokens": tokens, "steps": sum(r["steps"] for r in rs),
+             "drafted": drafted, "accepted": sum(r["accepted"] for r in rs),
+             "acceptance": sum(r["accepted"] for r in rs) / drafted if drafted else None,
+             "tokens_per_s": tokens / secs, "equal": all(r["equal"] for r in rs)}
+        )  # fmt: skip
+    base = out[0]["tokens_per_s"]
+    for r in out:
+        r["speedup"] = r["tokens_per_s"] / base
+    return out
 
 
 def _counters(llm) -> dict[str, float]:
@@ -138,7 +173,7 @@ def run(dtype: str, ks: list[int], tokens: int, draft_layers: int = 0) -> list[d
                 rows.append(
                     {
                         "prompt": name, "method": method if k else "-", "k": k,
-                        "steps": len(steps), "drafted": int(drafted),
+                        "steps": len(steps), "tokens": len(got), "drafted": int(drafted),
                         "accepted": int(accepted),
                         "acceptance": accepted / drafted if drafted else None,
                         "modelled_ms_per_token": per_tok * 1e3,
@@ -222,6 +257,16 @@ def main() -> int:
             f"{r['prompt']:9s} {r['method']:9s} {r['k']:2d} {r['steps']:5d} {r['drafted']:7d} "
             f"{r['accepted']:8d} {acc:>7s} {ms:9.3f} {1e3 / ms:7.1f} {r['speedup']:6.2f}x  "
             f"{r['equal']}"
+        )
+    print(f"\nthe repetitive set ({', '.join(p for p in PROMPTS if p not in CONTROL)}), "
+          "each prompt alone: its tokens over its modelled card time")  # fmt: skip
+    print(f"{'k':>2s} {'tokens':>6s} {'steps':>5s} {'drafted':>7s} {'accepted':>8s} "
+          f"{'accept':>7s} {'tok/s':>7s} {'vs k=0':>7s}  equal")  # fmt: skip
+    for r in set_rows(rows):
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        print(
+            f"{r['k']:2d} {r['tokens']:6d} {r['steps']:5d} {r['drafted']:7d} {r['accepted']:8d} "
+            f"{acc:>7s} {r['tokens_per_s']:7.1f} {r['speedup']:6.2f}x  {r['equal']}"
         )
     if args.json:
         print(json.dumps(rows))
