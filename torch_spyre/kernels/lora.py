@@ -27,7 +27,6 @@ nothing.  The adapters' scaling is folded into ``B`` by vLLM's loader.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 import torch
@@ -42,13 +41,11 @@ from torch_spyre.ir import (
     ProgramError,
     Store,
     Vector,
-    blocks_clash,
     rebase,
-    touched_blocks,
 )
 from torch_spyre.kernels.moe import group_phases, matmul_template
+from torch_spyre.kernels.waves import in_waves
 from torch_spyre.layout import SpyreTensorLayout, stick_elems
-from torch_spyre.sim.grouped import estimate_grouped
 
 I32 = torch.int32
 
@@ -220,46 +217,6 @@ def _slot_major(expands: list) -> list:
     two slots' rows are distinct tokens (adjacent runs, or disjoint entries of
     the row table)."""
     return [make for _, make in sorted(expands, key=lambda t: t[0])]
-
-
-def in_waves(
-    name: str, stages: list[list], cfg: HardwareConfig, distinct: tuple[str, ...] = ()
-) -> GroupedProgram:
-    """One launch of ``stages`` in order (a stage's phases are independent of
-    one another and read what earlier stages wrote), its phases packed into
-    waves (``ir.grouped``: phases at once on disjoint cores) as the search
-    finds fastest: ``width`` phases at a time on ``cores // width`` cores
-    each, width 1 being the phases in turn on every core.  A phase that
-    clashes with one already in the wave (a block both touch, one writes)
-    starts the next wave.  ``stages``: lists of ``phase(config) -> Program``;
-    ``distinct``: row-table operands whose entries are distinct rows
-    (``GroupedProgram.distinct``)."""
-    from torch_spyre.kernels.search import search
-
-    def build(width: int) -> GroupedProgram:
-        sub = cfg if width == 1 else replace(cfg, cores=cfg.cores // width)
-        phases: list[Program] = []
-        waves: list[int] = []
-        wave = -1
-        for stage in stages:
-            members: list = []
-            for make in stage:
-                p = make(sub)
-                blocks = touched_blocks(p, distinct)
-                if len(members) in (0, width) or any(blocks_clash(blocks, m) for m in members):
-                    wave, members = wave + 1, []
-                members.append(blocks)
-                phases.append(p)
-                waves.append(wave)
-        return GroupedProgram(
-            name, tuple(phases), waves=tuple(waves) if width > 1 else (), distinct=distinct
-        )
-
-    most = max(len(st) for st in stages)
-    widths = [w for w in (1, 2, 4, 8, 16, 32) if w <= min(most, cfg.cores)]
-    return search(
-        widths, build, cfg, what=name, cost=lambda g: estimate_grouped(g, cfg).time_s
-    ).result
 
 
 def _b_stack(num: int, n: int, rank: int, dtype: torch.dtype, bt: bool):
