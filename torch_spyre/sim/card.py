@@ -74,6 +74,26 @@ def timing_only() -> Iterator[None]:
         _notify()
 
 
+def compile_started(*_: object) -> None:
+    """The calling thread compiles a graph: what it runs on a card from now on
+    (constants read back or uploaded, fills, cache saves and loads) executes
+    but does not move the card's clock, its counters or the trace: it is not
+    the user's call, and a warm cache would do other work
+    (``csrc/card/card.h``, ``set_unbilled``).  Dynamo's compile-start
+    callback (``compiler/__init__.py``)."""
+    _card.set_unbilled(True)
+
+
+def compile_ended(*_: object) -> None:
+    """The compilation ended: the card bills again (Dynamo's end callback)."""
+    _card.set_unbilled(False)
+
+
+def unbilled() -> bool:
+    """The calling thread is compiling: its card work is not billed."""
+    return _card.unbilled()
+
+
 #: told when timing-only runs or trace listening may have changed (``watch``)
 _watchers: list[Callable[[], None]] = []
 
@@ -218,7 +238,7 @@ class SimulatedCard:
         """Advance the clock and the counters by one launch of ``rep``'s kernel
         (``run`` without the execution: for callers that executed it themselves)."""
         start = self._clock.account_kernel(rep.time_s)
-        if trace.listening():
+        if trace.listening() and not _card.unbilled():
             trace.emit(trace.KernelRecord(self.index, start, rep))
         return rep
 
@@ -250,7 +270,8 @@ class SimulatedCard:
         t = self.transfer_time(kind, int(nbytes), int(segments))
         start = self._clock.account_transfer(TRANSFER_KINDS.index(kind), int(nbytes), t)
         rec = trace.TransferRecord(self.index, kind, int(nbytes), start, t, label)
-        trace.emit(rec)
+        if not _card.unbilled():
+            trace.emit(rec)
         return rec
 
     # -------------------------------------------------------- collectives

@@ -41,6 +41,15 @@ struct Clock {
 };
 
 extern Clock g_clocks[kMaxCards];
+
+// Compile-time work: while a thread compiles a graph (torch.compile, from
+// Dynamo's start to its end callback: sim/card.py compiling()), what it runs
+// on a card (constants read back or uploaded, fills, cache saves and loads)
+// executes but does not move the card's clock nor its counters: it is not
+// the user's call, and a warm cache would skip it.  One thread at a time;
+// set_unbilled(false) ends it whatever thread calls.
+void set_unbilled(bool on);
+bool unbilled();  // the calling thread is in the window
 extern const Api g_api;
 
 int num_cards();

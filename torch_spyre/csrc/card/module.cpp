@@ -67,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("clock_s", &Clock::now)
       .def("stats", &clock_stats)
       .def("reset", &Clock::reset);
+  m.def("set_unbilled", &spyre_card::set_unbilled, py::arg("on"));
+  m.def("unbilled", &spyre_card::unbilled);
   m.def(
       "clock",
       [](int i) {
