@@ -274,7 +274,15 @@ def _grouped(y, x, index: RowIndex, a, b, live) -> None:
     kern = _kernel(
         key,
         lambda: lora.sgmv(
-            counts, k, rank, slices, x.dtype, out_rows=r + 1, live=live, shrink=shrink, bt=bt,
+            counts,
+            k,
+            rank,
+            slices,
+            x.dtype,
+            out_rows=r + 1,
+            live=live,
+            shrink=shrink,
+            bt=bt,
             config=cfg,
         ),
     )
