@@ -43,15 +43,14 @@ def test_compile_time_card_work_is_not_billed():
 
 
 def test_the_window_survives_a_dynamo_reset():
-    """torch._dynamo.reset() drops Dynamo's callbacks; the spyre graph pass
-    registers them again, so the compile after the next one is unbilled."""
+    """torch._dynamo.reset() clears Dynamo's callbacks; the window is registered
+    again at once, so the next compile is unbilled whatever backend runs it,
+    and whether or not a cache hit skips the spyre passes."""
     from torch._dynamo.callback import callback_handler
 
     from torch_spyre.sim import card
 
     torch._dynamo.reset()
-    assert card.compile_started not in callback_handler.start_callbacks
-    torch.compile(lambda x: x * 3 + 1, fullgraph=True)(torch.ones(8, 64, device=SPYRE))
     assert card.compile_started in callback_handler.start_callbacks
     assert card.compile_ended in callback_handler.end_callbacks
     seen: list = []

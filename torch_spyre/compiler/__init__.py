@@ -46,11 +46,16 @@ def register_interface() -> None:
 def compile_window() -> None:
     """Card work done while compiling is not billed to the user's first call
     (sim/card.py ``compile_started``): Dynamo's compile start and end
-    callbacks open and close the window.  ``torch._dynamo.callback`` is the
-    hook Dynamo runs around every compilation (no public API exposes it, and
-    ``torch._dynamo.reset()`` clears its callbacks: the spyre graph pass calls
-    this again, so the window is back from the next graph on).
-    tests/compiler/test_compile_window.py fails if the window stops opening."""
+    callbacks open and close the window.
+
+    ``torch._dynamo.callback`` is the hook Dynamo runs around every
+    compilation; no public API exposes it.  ``torch._dynamo.reset()`` clears
+    its callbacks (``callback_handler.clear()``), and no hook of ours is sure
+    to run after a reset: on an AOTAutograd or FX cache hit no spyre pass runs,
+    and a user's own backend runs none at all.  So the handler's ``clear`` is
+    wrapped to register the window again, as a fresh process's import would.
+    tests/compiler/test_compile_window.py fails if the window stops opening or
+    does not survive a reset."""
     from torch._dynamo.callback import callback_handler
 
     from torch_spyre.sim import card
@@ -59,6 +64,15 @@ def compile_window() -> None:
         callback_handler.register_start_callback(card.compile_started)
     if card.compile_ended not in callback_handler.end_callbacks:
         callback_handler.register_end_callback(card.compile_ended)
+    clear = callback_handler.clear
+    if not getattr(clear, "_keeps_spyre_window", False):
+
+        def clear_keeping_window() -> None:
+            clear()
+            compile_window()
+
+        clear_keeping_window._keeps_spyre_window = True  # type: ignore[attr-defined]
+        callback_handler.clear = clear_keeping_window  # type: ignore[method-assign]
 
 
 #: Tensor factories that AOTAutograd's cache may take in a graph.  Its

@@ -753,9 +753,6 @@ def _dedupe_lookups(gm: torch.fx.GraphModule) -> bool:
 
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
-        from torch_spyre.compiler import compile_window
-
-        compile_window()  # back for the next compile after a torch._dynamo.reset()
         changed = _rewrite_lane_shuffles(gm)
         changed = _route_outer_pads(gm) or changed
         changed = _rewrite_stick_cats(gm) or changed
