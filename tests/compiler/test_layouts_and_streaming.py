@@ -98,12 +98,18 @@ def _reduced_transposed_broadcast(a, z):
     return a.sum(-1).t()[None] * z[:, None, :]
 
 
-def _without_layout_choice(fn, args):
+def _without_layout_choice(fn, args, lx_bytes=None):
     layouts.ENABLED = False
     try:
-        return _compile_run(fn, args)
+        return _compile_run(fn, args, lx_bytes)
     finally:
         layouts.ENABLED = True
+
+
+#: an LX so small that the reader walks ``a`` in tiles inside each row of
+#: ``z``, re-reading it (with the whole LX, a core's tile of ``a`` is loaded
+#: once and stays: read once, a padded layout costs less than a copy)
+READER_LX = 64 << 10
 
 
 def test_restickify_kernel_when_a_reader_prefers_another_layout():
@@ -111,7 +117,7 @@ def test_restickify_kernel_when_a_reader_prefers_another_layout():
     args = [torch.randn(8192, 16, dtype=H), torch.randn(64, 8192, dtype=H)]
     ref = _transposed_broadcast(*[a.float() for a in args])
     n0 = len(layouts.DECISIONS)
-    out, kernels, plans = _compile_run(_transposed_broadcast, args)
+    out, kernels, plans = _compile_run(_transposed_broadcast, args, READER_LX)
     torch.testing.assert_close(out.float(), ref, **TOL)
     (decision,) = layouts.DECISIONS[n0:]
     buf, lay, t_default, t_chosen = decision
@@ -122,10 +128,23 @@ def test_restickify_kernel_when_a_reader_prefers_another_layout():
     assert names == [f"restickify_{buf}", plans[-1].program.name]
     assert t_chosen < t_default
     # faster (modelled) than with default layouts only, same values
-    out_d, kernels_d, _ = _without_layout_choice(_transposed_broadcast, args)
+    out_d, kernels_d, _ = _without_layout_choice(_transposed_broadcast, args, READER_LX)
     assert not any(k.name.startswith("restickify") for k in kernels_d)
     torch.testing.assert_close(out, out_d, rtol=0, atol=0)
     assert sum(k.time_s for k in kernels) < sum(k.time_s for k in kernels_d)
+
+
+def test_a_tile_read_once_needs_no_restickify():
+    """With the whole LX the reader loads its tile of ``a`` once: no copy."""
+    torch.manual_seed(0)
+    args = [torch.randn(8192, 16, dtype=H), torch.randn(64, 8192, dtype=H)]
+    n0 = len(layouts.DECISIONS)
+    out, kernels, _ = _compile_run(_transposed_broadcast, args)
+    assert layouts.DECISIONS[n0:] == []
+    assert not any(k.name.startswith("restickify") for k in kernels)
+    torch.testing.assert_close(
+        out.float(), _transposed_broadcast(*[a.float() for a in args]), **TOL
+    )
 
 
 def test_producer_stores_an_intermediate_in_the_layout_its_reader_prefers():

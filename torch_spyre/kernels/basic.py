@@ -248,13 +248,23 @@ def default_matmul_split(m: int, n: int, k: int, config: HardwareConfig) -> tupl
 
 
 def default_matmul_tiles(
-    em: int, en: int, ek: int, dtype: torch.dtype, double_buffer: bool, config: HardwareConfig
+    em: int,
+    en: int,
+    ek: int,
+    dtype: torch.dtype,
+    double_buffer: bool,
+    config: HardwareConfig,
+    whole_k: bool = False,
 ) -> tuple[int, int, int]:
-    """The largest output block (tm, tn) with a k tile of 128, that fits the LX."""
+    """The largest output block (tm, tn) with a k tile of 128, that fits the LX.
+
+    ``whole_k``: the k tile is the core's whole k, so a row tile of the
+    activation is loaded once and stays in the LX while every column tile of
+    the weight streams past it (activation-stationary; rows grown first)."""
     se = stick_elems(dtype)
     it = dtype.itemsize
     copies = 2 if double_buffer else 1
-    tk = min(ek, 2 * se)
+    tk = ek if whole_k else min(ek, 2 * se)
 
     def lx(tm: int, tn: int) -> int:
         pad = lambda x: ceil_div(x, se) * se  # noqa: E731

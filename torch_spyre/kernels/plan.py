@@ -46,8 +46,9 @@ def _dkey(d: str) -> int:
 
 
 def _matmul_split(
-    mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, mn=None, lx_share: float = 0.5
-):
+    mm, steps, buffers, ops, sizes, reduced, cfg: HardwareConfig, mn=None, lx_share: float = 0.5,
+    whole_k: bool = False,
+):  # fmt: skip
     """Core split, tiles and loops of a kernel built around one PE-array matmul:
     batch dims over cores first, then the output plane over ``mn`` = (pm, pn)
     cores (``n`` in whole sticks; default: ``kernels.basic.default_matmul_split``);
@@ -119,8 +120,10 @@ def _matmul_split(
             ek = k
     # operand and accumulator tiles in ``lx_share`` of the LX (the rest for
     # the epilogue), so ``_fit`` need not shrink the rows
+    if whole_k and (len(kd) != 1 or nd in held):
+        return None
     tm, tn, tk = default_matmul_tiles(
-        em, en, ek, dtype, True, cfg.replace(lx_bytes=int(cfg.lx_bytes * lx_share))
+        em, en, ek, dtype, True, cfg.replace(lx_bytes=int(cfg.lx_bytes * lx_share)), whole_k
     )
     tiles = {d: sizes[d] for d in sizes}
     for d in batch:
@@ -280,9 +283,13 @@ def _search_plan(
         for mn, mc in _matmul_choices(mm, steps, buffers, sizes, cfg, naive):
             # tiles filling the whole LX (fewer operand re-reads) or half of it
             # (room for a large epilogue); naive: half
-            for share in (0.5,) if naive else (1.0, 0.5):
-                planned = _matmul_split(mm, steps, buffers, ops, sizes, reduced, cfg, mn, share)
+            for share, whole_k in ((0.5, False),) if naive else _TILINGS:
+                planned = _matmul_split(
+                    mm, steps, buffers, ops, sizes, reduced, cfg, mn, share, whole_k
+                )
                 if planned is None:
+                    if whole_k:
+                        continue
                     break
                 mm_cands.append((*planned, mc))
         cands = mm_cands or cands
@@ -305,6 +312,11 @@ def _search_plan(
     if found.best is None:
         raise Unsupported(str(found.first_error)) from None
     return found.best.result
+
+
+#: a matmul's tilings tried per core split: (share of the LX for operand and
+#: accumulator tiles, activation-stationary whole-k tiles)
+_TILINGS = ((1.0, False), (0.5, False), (1.0, True))
 
 
 def _matmul_choices(mm, steps, buffers, sizes, cfg: HardwareConfig, naive: bool):
@@ -413,6 +425,10 @@ def _fit(
     a reduction's result, else in several passes over the row, ``_multipass``),
     validated."""
 
+    def ext_of(d: str) -> int:
+        n, chunk = split.get(d, (1, None))
+        return chunk or -(-sizes[d] // n)
+
     def build() -> Program:
         dims = tuple(
             Dim(
@@ -433,6 +449,14 @@ def _fit(
             if isinstance(s, Load):
                 used = [d for d in s.index if d is not None]
                 last = max((lp.index(d) for d in used if d in lp), default=-1)
+                # a dim the core walks in one tile is no loop for the load:
+                # when a loop between it and the load's last walked dim
+                # turns more than once, the tile stays in the LX across it
+                # instead of being loaded again each time
+                walked = [d for d in used if d in lp and tiles[d] < ext_of(d)]
+                inner = max((lp.index(d) for d in walked), default=-1)
+                if any(tiles[d] < ext_of(d) for d in lp[inner + 1 : last + 1]):
+                    last = inner
                 # a tile shared by a group of cores: read once, all-gathered
                 shared = math.prod(split[d][0] for d in split if d not in used)
                 st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
