@@ -381,6 +381,29 @@ def test_grouped_kv_heads_are_read_once_per_group():
     assert gqa.time_s < mha.time_s
 
 
+def test_a_long_causal_prompt_shares_the_cores_between_heads_and_positions():
+    """Granite at 32k tokens, heads-last output, timed only.  Query heads over
+    the cores balance the causal triangle but put a core's writes across the
+    whole 256 MiB output (past its span); positions alone leave the core with
+    the last quarter 7/8 of a quarter square of work.  Two heads x two halves
+    is the fastest plan that fits."""
+    from torch_spyre.ir import SpanError
+
+    shape = (1, 32, 8, 32768, 32768, 128)
+    best = kernels.best_flash_attention(*shape, causal=True, heads_last=True)
+    dims = {d.name: d.cores for d in best.dims}
+    assert (dims["g"], dims["q"]) == (2, 2)
+    by_position = kernels.flash_attention(
+        *shape, causal=True, heads_last=True, split=(1, 8, 1, 4), tiles=(128, 128)
+    )
+    assert estimate(best).time_s < 0.9 * estimate(by_position).time_s
+    by_head = kernels.flash_attention(
+        *shape, causal=True, heads_last=True, split=(1, 8, 4, 1), tiles=(128, 128)
+    )
+    with pytest.raises(SpanError, match="span"):
+        by_head.validate(HardwareConfig())
+
+
 def _run_tile_by_tile(prog, host):
     """Run a flash-attention program as the card would: the steps of the key
     loop once per key tile, a contraction over the key dim adding into (sum)

@@ -355,7 +355,19 @@ def best_flash_attention(
 
     cfg = config or HardwareConfig()
     g = hq // hk if hk and hq % hk == 0 else 1
+    # the cores left after batch and KV heads, shared between the query
+    # heads of a group and the query positions in every proportion: heads
+    # balance a causal triangle (each core the whole sequence), positions
+    # keep a core's addresses inside its span (a heads-last output is
+    # strided over the whole sequence), and a mix of both can do either
+    pb, ph = _greedy_split((b, hk), cfg.cores)
+    rest = cfg.cores // (pb * ph)
     splits = {
+        (pb, ph, pg, max(1, min(sq, rest // pg)))
+        for pg in range(1, min(g, rest) + 1)
+        if rest % pg == 0
+    }
+    splits |= {
         _greedy_split((b, hk, g, sq), cfg.cores),
         _greedy_split((b, hk, sq, g), cfg.cores)[:2]
         + _greedy_split((b, hk, sq, g), cfg.cores)[3:]
