@@ -8,11 +8,14 @@ cold run filled), every run a fresh process (see ``warm_cache``).
 
 For each model, ``vllm.LLM(...)`` is started in a fresh process twice with
 one Inductor cache directory: **cold** (the directory empty) and **warm**
-(filled by the cold run), once with the forward compiled as one graph per
-token bucket (``TORCH_SPYRE_VLLM_PIECEWISE=0``) and once piece by piece
-between attention ops, each distinct piece compiled once (the default,
-``compiler/piecewise.py``).  The start-up compiles every bucket (16 and the
-token budget, 64 here).  Each run then answers one 8-token request; its
+(filled by the cold run), with the forward compiled as one graph per
+token bucket (``TORCH_SPYRE_VLLM_PIECEWISE=0``), piece by piece between
+attention ops, each distinct piece compiled once (the default,
+``compiler/piecewise.py``), and piece by piece traced flat: every layer and
+every bucket traced by Dynamo (``TORCH_SPYRE_VLLM_REGIONS=0``; the default
+traces the repeated layers once and the forward once for every bucket,
+``compiler/regions.py``).  The start-up compiles every bucket (16, 32 and
+the token budget, 64 here).  Each run then answers one 8-token request; its
 modelled card time is printed beside (deterministic: the two modes must run
 the same or fewer card cycles) and its tokens compared.
 
@@ -62,6 +65,7 @@ runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
 s = runner.compiled.summary()
 print("STARTUP " + json.dumps({
     "up_s": up, "compile_s": sum(s["compile_s"].values()), "pieces": s["pieces"],
+    "traces": s["traces"],
     "modelled_ms": modelled * 1e3, "tokens": list(out[0].outputs[0].token_ids),
 }))
 """
@@ -98,11 +102,23 @@ def child(code: str, args: list[str], env: dict, tag: str, what: str, timeout: f
     return out
 
 
-def run(path: str, dtype: str, piecewise: bool, cache: str) -> dict:
+#: (label, TORCH_SPYRE_VLLM_PIECEWISE, TORCH_SPYRE_VLLM_REGIONS)
+MODES = (
+    ("one graph", False, True),
+    ("piece by piece", True, True),
+    ("piece by piece, flat trace", True, False),
+)
+
+
+def run(path: str, dtype: str, piecewise: bool, cache: str, regions: bool = True) -> dict:
     env = {
         **os.environ,
+        # cold is cold: Inductor's cache and our kernel searches (a run after
+        # another would find the searches of the one before)
         "TORCHINDUCTOR_CACHE_DIR": cache,
+        "TORCH_SPYRE_CACHE_DIR": cache,
         "TORCH_SPYRE_VLLM_PIECEWISE": "1" if piecewise else "0",
+        "TORCH_SPYRE_VLLM_REGIONS": "1" if regions else "0",
         "TORCH_SPYRE_VLLM_LOG_STEPS": "0",
     }
     return child(CHILD, [path, dtype], env, "STARTUP", f"{path} (piecewise={piecewise})", 1800)
@@ -319,40 +335,43 @@ def main(argv: list[str] | None = None) -> int:
         if args.vs_cpu:
             return vs_cpu(models, tmp, args.json)
         for name, path, dtype in models:
-            for piecewise in (False, True):
+            for mode, piecewise, regions in MODES:
                 cache = tempfile.mkdtemp(prefix="inductor_", dir=tmp)
-                cold = run(path, dtype, piecewise, cache)
-                warm = run(path, dtype, piecewise, cache)
-                rows.append({"model": name, "piecewise": piecewise, "cold": cold, "warm": warm})
+                cold = run(path, dtype, piecewise, cache, regions)
+                warm = run(path, dtype, piecewise, cache, regions)
+                rows.append({"model": name, "mode": mode, "piecewise": piecewise,
+                             "regions": regions, "cold": cold, "warm": warm})  # fmt: skip
                 print(
-                    f"{name:14} {'pieces' if piecewise else 'whole ':6} cold {cold['up_s']:6.1f} s "
-                    f"warm {warm['up_s']:6.1f} s  pieces {cold['pieces']}  "
+                    f"{name:14} {mode:26} cold {cold['up_s']:6.1f} s "
+                    f"warm {warm['up_s']:6.1f} s  compile {cold['compile_s']:5.1f} s  "
+                    f"traces {cold['traces']}  pieces {cold['pieces']}  "
                     f"{cold['modelled_ms']:.3f} ms modelled",
                     flush=True,
                 )
     print()
     print(
-        "| model | mode | engine up cold (s) | warm (s) | compile cold (s) | pieces compiled / reused | modelled ms, 8 tokens | same tokens |"
+        "| model | mode | engine up cold (s) | warm (s) | compile cold (s) | Dynamo traces | pieces compiled / reused | modelled ms, 8 tokens | same tokens |"
     )  # noqa: E501
-    print("|---|---|---|---|---|---|---|---|")
-    whole = {r["model"]: r for r in rows if not r["piecewise"]}
+    print("|---|---|---|---|---|---|---|---|---|")
+    whole = {r["model"]: r for r in rows if r["mode"] == "one graph"}
     for r in rows:
         c, pcs = r["cold"], r["cold"]["pieces"]
         same = c["tokens"] == whole[r["model"]]["cold"]["tokens"]
-        mode = "piece by piece" if r["piecewise"] else "one graph"
         pieces = f"{pcs['compiled']} / {pcs['reused']}" if r["piecewise"] else "-"
         print(
-            f"| {r['model']} | {mode} | {c['up_s']:.1f} | {r['warm']['up_s']:.1f} | "
-            f"{c['compile_s']:.1f} | {pieces} | {c['modelled_ms']:.3f} | {'yes' if same else 'NO'} |"
+            f"| {r['model']} | {r['mode']} | {c['up_s']:.1f} | {r['warm']['up_s']:.1f} | "
+            f"{c['compile_s']:.1f} | {c['traces']} | {pieces} | {c['modelled_ms']:.3f} | "
+            f"{'yes' if same else 'NO'} |"
         )
-    depths = [r for r in rows if r["piecewise"] and r["model"].startswith("granite")]
-    if len(depths) >= 2:
-        lo, hi = depths[0], depths[-1]
-        print(
-            f"\npiece by piece, cold compile: {hi['model']} {hi['cold']['compile_s']:.1f} s against "
-            f"{lo['model']} {lo['cold']['compile_s']:.1f} s "
-            f"({hi['cold']['compile_s'] / lo['cold']['compile_s']:.2f}x; issue 30's bar: 1.5x)"
-        )
+    for mode in ("piece by piece", "piece by piece, flat trace"):
+        depths = [r for r in rows if r["mode"] == mode and r["model"].startswith("granite")]
+        if len(depths) >= 2:
+            lo, hi = depths[0], depths[-1]
+            print(
+                f"\n{mode}, cold compile: {hi['model']} {hi['cold']['compile_s']:.1f} s against "
+                f"{lo['model']} {lo['cold']['compile_s']:.1f} s "
+                f"({hi['cold']['compile_s'] / lo['cold']['compile_s']:.2f}x; issue 30's bar: 1.5x)"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

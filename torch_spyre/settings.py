@@ -177,6 +177,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_SPYRE_VLLM_PIECEWISE", "vllm_piecewise", _flag,
         "compile vLLM's forward piece by piece between attention ops, each distinct "
         "piece once (`0`: the whole graph)", "1"),
+    Var("TORCH_SPYRE_VLLM_REGIONS", "vllm_regions", _flag,
+        "trace a model's repeated layers once (nested compile regions) and its "
+        "forward once for every token bucket (`0`: every layer, every bucket)", "1"),
     Var("TORCH_SPYRE_VLLM_BUCKETS", "vllm_buckets", _buckets,
         "token-count buckets compiled for vLLM, e.g. `16,64`", "16, 32, ... and the max"),
     Var("TORCH_SPYRE_VLLM_WARMUP", "vllm_warmup", _text,
@@ -217,6 +220,7 @@ class Settings:
     #: None: the default (on for generative models, off for pooling models)
     vllm_compile: bool | None = None
     vllm_piecewise: bool = True
+    vllm_regions: bool = True
     vllm_buckets: tuple[int, ...] | None = None
     vllm_warmup: str = "all"
     vllm_kv_cache_bytes: int | None = None

@@ -71,6 +71,9 @@ def test_identical_layers_compile_once_with_the_same_tokens_and_time(
     # middle (one layer's attention output to the next one's), the tail; the
     # middle of the other layers reuses the first one's code
     buckets = len(summary["buckets"])
+    # Dynamo traced the forward once for every bucket, the layers as one
+    # region (compiler/regions.py); each bucket compiled for its own shapes
+    assert summary["traces"] == 1 and summary["regions"] == ["model.layers"]
     assert summary["pieces"] == {
         "pieces": buckets * (LAYERS + 1),
         "compiled": buckets * 3,
@@ -89,3 +92,13 @@ def test_identical_layers_compile_once_with_the_same_tokens_and_time(
     # barriers (fallback kernels) in the whole graph too, and the layers'
     # rotary lookups are shared across pieces as the whole graph shares them
     assert modelled <= whole_modelled * (1 + 1e-9), (modelled, whole_modelled)
+
+    # traced flat, every layer and every bucket (TORCH_SPYRE_VLLM_REGIONS=0):
+    # the same programs, so the same tokens and the same modelled time
+    spyre_settings(vllm_piecewise=True, vllm_regions=False)
+    piecewise.clear()
+    flat_tokens, flat_modelled, flat = _run(five_layer_llama, prompts)
+    assert flat["traces"] == buckets and flat["regions"] == []
+    assert flat["pieces"] == summary["pieces"]
+    assert flat_tokens == tokens
+    assert flat_modelled == pytest.approx(modelled, rel=1e-12)

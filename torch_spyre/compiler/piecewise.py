@@ -140,6 +140,20 @@ def compile_piecewise(
             return super().call_module(target, args, kwargs)
 
     recorded = None if rerun else _recorded_inputs(split, pieces)
+    if recorded is not None and any(symbolic(a) for _, _, args in recorded for a in args):
+        # traced with a dynamic dim: each distinct piece compiled per shape
+        # on its first call (``Sized``), the split made once for every shape
+        for target, sub, args in recorded:
+            key = piece_key(sub, args, salt)
+            sized = _PIECES.get(key) if key is not None else None
+            if not isinstance(sized, Sized):
+                sized = Sized(sub, args, compile_piece, stats)
+                if key is not None:
+                    _PIECES[key] = sized
+            del split._modules[target]
+            split.__dict__[target] = _SizedCall(sized, stats)
+        split.meta["spyre_per_size"] = True
+        return split
     if recorded is not None:
         found = recorded
     else:
@@ -169,6 +183,98 @@ def compile_piecewise(
         del split._modules[target]
         split.__dict__[target] = fn
     return split
+
+
+class Sized:
+    """A distinct piece of a graph traced with a dynamic dim (a vLLM token
+    count), compiled for each concrete shape on its first call with it, as
+    vLLM's own piecewise backend compiles per size: the programs are planned
+    for static shapes, as if the shape had been traced alone.  Identical
+    pieces (a decoder's layers) share one."""
+
+    def __init__(self, sub: torch.fx.GraphModule, recorded: tuple, compile_piece, stats) -> None:
+        self.sub, self.compile_piece, self.stats = sub, compile_piece, stats
+        #: the inputs whose shape is symbolic: their shapes and strides key a compile
+        self.dynamic = [i for i, a in enumerate(recorded) if symbolic(a)]
+        self.compiled: dict[tuple, Callable] = {}
+
+    def key(self, args: tuple) -> tuple:
+        return tuple(
+            (tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+            for a in (args[i] for i in self.dynamic)
+        )
+
+    def get(self, key: tuple, args: tuple) -> Callable:
+        fn = self.compiled.get(key)
+        if fn is None:
+            self.stats.compiled += 1
+            fn = self.compiled[key] = compile_outside(self.compile_piece, self.sub, list(args))
+        else:
+            self.stats.reused += 1
+        return fn
+
+
+class _SizedCall:
+    """One piece's place in the split graph: its shared ``Sized`` compile for
+    the call's shapes (counted once per shape, as a piece compiled or reused)."""
+
+    def __init__(self, sized: Sized, stats: Stats) -> None:
+        self.sized, self.stats = sized, stats
+        self.seen: dict[tuple, Callable] = {}
+
+    def __call__(self, *args):
+        key = self.sized.key(args)
+        fn = self.seen.get(key)
+        if fn is None:
+            self.stats.pieces += 1
+            fn = self.seen[key] = self.sized.get(key, args)
+        return fn(*args)
+
+
+def compile_outside(compile_fn, gm: torch.fx.GraphModule, args: list) -> Callable:
+    """``compile_fn(gm, args)`` at run time, outside Dynamo's compile: with
+    the metrics context Inductor's caches expect, and a tracing context of
+    its own (a symbolic trace's fake mode must not reach a concrete compile).
+    The tensors are handed over as fake tensors of static shapes: AOTAutograd
+    would fakify real ones with a symbol for every dim (2x the compile time
+    of a static trace, every shape then specialized again by guards)."""
+    from torch._dynamo.utils import dynamo_timed, get_metrics_context
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # a fresh tracing context of static shapes, as Dynamo gives a static
+    # trace: AOTAutograd's cache keys on its shape env (without one it
+    # bypasses the cache, and a warm start would compile every piece again)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = torch._guards.TracingContext(mode)
+    # a top-level compile event: AOTAutograd's cache records a hit on it
+    with (
+        torch._guards.tracing(context),
+        get_metrics_context(),
+        dynamo_timed("spyre_compile_per_shape", log_pt2_compile_event=True),
+    ):
+        fake = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a
+                for a in args]  # fmt: skip
+        return compile_fn(gm, fake)
+
+
+def fresh(gm: torch.fx.GraphModule, args: list | None = None) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s graph over the same attributes, for Inductor to
+    compile: it edits the graph it compiles (a single output becomes a tuple,
+    its pre-grad passes rewrite nodes), and the next shape of a graph traced
+    with a dynamic dim must compile the graph as traced.  With ``args``, the
+    integer inputs (the symbols Dynamo lifted: a token count) are
+    specialized to their values: each placeholder stays, its uses take the
+    value, so the copy is the graph a static trace of that shape gives."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    if args is not None:
+        places = [n for n in graph.nodes if n.op == "placeholder"]
+        for node, value in zip(places, args, strict=True):
+            if isinstance(value, int) and not isinstance(value, bool):
+                node.replace_all_uses_with(value)  # type: ignore[arg-type]
+    return torch.fx.GraphModule(gm, graph)
 
 
 #: pure ops a graph repeats per layer on the same operands: table lookups and
@@ -244,6 +350,14 @@ def _recorded_inputs(
     return found
 
 
+def symbolic(v) -> bool:
+    """A value of a graph Dynamo traced with a dynamic dim: its pieces are
+    compiled for the call's concrete shapes (``vllm_plugin/compile.PerBucket``)."""
+    if isinstance(v, torch.SymInt):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, torch._subclasses.FakeTensor)
 
@@ -253,4 +367,13 @@ def clear() -> None:
     _PIECES.clear()
 
 
-__all__ = ["Stats", "clear", "compile_piecewise", "piece_key"]
+__all__ = [
+    "Sized",
+    "Stats",
+    "clear",
+    "compile_outside",
+    "compile_piecewise",
+    "fresh",
+    "piece_key",
+    "symbolic",
+]
