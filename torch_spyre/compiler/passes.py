@@ -369,7 +369,7 @@ def _slice_pieces(cat: torch.fx.Node):
         xv = x.meta.get("val")
         if not isinstance(xv, torch.Tensor) or step != 1:
             return None
-        if sdim not in (-1, xv.dim() - 1) or (src is not None and x is not src):
+        if sdim not in (-1, xv.dim() - 1) or (src is not None and not _same_view(x, src)):
             return None
         d = xv.shape[-1]
         start = 0 if start is None else (start + d if start < 0 else start)
@@ -377,6 +377,42 @@ def _slice_pieces(cat: torch.fx.Node):
         src = x
         out.append((sign, start, end))
     return (src, out) if src is not None else None
+
+
+#: view ops: a node of one of these over the same input with the same
+#: arguments is the same value (functionalization replays a view chain for
+#: each use of a mutated tensor: a LoRA projection's output, which
+#: ``spyre::punica_sgmv`` writes in place, reaches each slice of RoPE's
+#: rotate_half through its own reshape/permute chain)
+_VIEW_OPS = (
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.slice.Tensor,
+)
+
+
+def _same_view(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether ``a`` and ``b`` are one value: one node, or the same view op
+    with the same arguments over the same value."""
+    while a is not b:
+        if not (
+            a.op == b.op == "call_function"
+            and a.target is b.target
+            and a.target in _VIEW_OPS
+            and a.args[1:] == b.args[1:]
+            and a.kwargs == b.kwargs
+            and isinstance(a.args[0], torch.fx.Node)
+            and isinstance(b.args[0], torch.fx.Node)
+        ):
+            return False
+        a, b = a.args[0], b.args[0]
+    return True
 
 
 def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
