@@ -150,8 +150,7 @@ def compile_piecewise(
                 sized = Sized(sub, args, compile_piece, stats)
                 if key is not None:
                     _PIECES[key] = sized
-            del split._modules[target]
-            split.__dict__[target] = _SizedCall(sized, stats)
+            _place(split, target, _SizedCall(sized, stats))
         split.meta["spyre_per_size"] = True
         return split
     if recorded is not None:
@@ -178,11 +177,15 @@ def compile_piecewise(
                 _PIECES[key] = fn
         else:
             stats.reused += 1
-        # the parent's code calls self.<target>(...): the compiled code in its
-        # place (not a module: set past nn.Module's __setattr__)
-        del split._modules[target]
-        split.__dict__[target] = fn
+        _place(split, target, fn)
     return split
+
+
+def _place(split: torch.fx.GraphModule, target: str, fn: Callable) -> None:
+    """The parent's code calls ``self.<target>(...)``: ``fn`` in the piece's
+    place (not a module: set past nn.Module's ``__setattr__``)."""
+    del split._modules[target]
+    split.__dict__[target] = fn
 
 
 class Sized:

@@ -144,7 +144,7 @@ def inline_subgraphs(gm: torch.fx.GraphModule) -> int:
 
 
 def _carry_attr(gm: torch.fx.GraphModule, sub: torch.nn.Module, target: str) -> str:
-    value = sub.get_submodule(target) if _is_module(sub, target) else _get(sub, target)
+    value = operator.attrgetter(target)(sub)
     name, i = f"_inlined_{target.replace('.', '_')}", 0
     while hasattr(gm, f"{name}_{i}"):
         i += 1
@@ -154,21 +154,6 @@ def _carry_attr(gm: torch.fx.GraphModule, sub: torch.nn.Module, target: str) -> 
     else:
         setattr(gm, name, value)
     return name
-
-
-def _is_module(root: torch.nn.Module, target: str) -> bool:
-    try:
-        root.get_submodule(target)
-        return True
-    except AttributeError:
-        return False
-
-
-def _get(root: torch.nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _drop_attr(gm: torch.fx.GraphModule, target: str) -> None:

@@ -129,6 +129,7 @@ class CompiledForward:
         # exactly what torch.compile's default backend does, plus a count; a
         # graph traced with a symbolic token count is compiled per bucket
         self.traces += 1
+        regions.inline_subgraphs(gm)  # repeated layers traced once, planned flat
         sizes = _symbolic_inputs(example_inputs)
         if sizes is not None:
             return PerBucket(gm, sizes, self._compile_bucket)
@@ -247,22 +248,18 @@ class PerBucket:
             key = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = self._compile(list(args))
+            fn = self.compiled[key] = piecewise.compile_outside(
+                self.compile_fn, self.gm, list(args)
+            )
         return fn(*args)
-
-    def _compile(self, args: list) -> Callable:
-        return piecewise.compile_outside(self.compile_fn, self.gm, args)
 
 
 def _symbolic_inputs(example_inputs) -> list[int] | None:
     """None for a static graph; else the positions of its symbolic integer
     inputs (a dim Dynamo traced as dynamic is one)."""
-    sym = [i for i, a in enumerate(example_inputs) if isinstance(a, torch.SymInt)]
-    dynamic = any(
-        isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape)
-        for a in example_inputs
-    )
-    return sym if dynamic or sym else None
+    if not any(piecewise.symbolic(a) for a in example_inputs):
+        return None
+    return [i for i, a in enumerate(example_inputs) if isinstance(a, torch.SymInt)]
 
 
 def _real_rows(out, n: int):
@@ -370,7 +367,6 @@ def _compile_fx(
                 cache[verdict] += n
         return out
 
-    regions.inline_subgraphs(gm)  # repeated layers traced once, planned flat
     # a graph compiled once per shape (traced with a dynamic dim): Inductor
     # edits what it compiles, so each compile gets a copy
     per_size = any(piecewise.symbolic(a) for a in example_inputs) or any(
