@@ -4,8 +4,10 @@
 public device hooks only:
 
 * ``register_backend_for_device("spyre", SpyreScheduling, SpyreWrapperCodegen,
-  device_custom_pass=...)``: plain ``torch.compile(fn)`` on spyre tensors uses
-  it; other devices keep their own backends;
+  SpyreAotWrapperCodegen, device_custom_pass=...)``: plain
+  ``torch.compile(fn)`` on spyre tensors uses it, and AOTInductor
+  (``aoti_compile_and_package``) through the third (``compiler/aoti.py``);
+  other devices keep their own backends;
 * ``register_interface_for_device("spyre", SpyreInterface)``: Dynamo's device
   interface, with properties from the card's hardware config;
 * ``register_device_op_overrides("spyre", ...)``: what the wrapper writes for
@@ -117,6 +119,7 @@ def register() -> None:
         register_device_op_overrides,
     )
 
+    from torch_spyre.compiler.aoti import SpyreAotWrapperCodegen
     from torch_spyre.compiler.passes import SpyreGraphPass
     from torch_spyre.compiler.scheduling import (
         SpyreDeviceOpOverrides,
@@ -129,6 +132,7 @@ def register() -> None:
         "spyre",
         SpyreScheduling,
         SpyreWrapperCodegen,
+        SpyreAotWrapperCodegen,
         device_custom_pass=SpyreGraphPass(),
     )
     register_device_op_overrides("spyre", SpyreDeviceOpOverrides())

@@ -9,6 +9,7 @@
 //   hooks.cpp      PrivateUse1 hooks
 //   access.cpp     what the Python runtime reads of device tensors
 //   warm.cpp       the C++ warm launch of the commonest elementwise ops
+//   aoti.cpp       AOTInductor's model runner for spyre packages
 //   module.cpp     this module: binds the card's C interface, the functions
 //
 // The device itself, the simulated card (its memory and modelled clock), is

@@ -30,6 +30,7 @@ def register() -> None:
         recurrent,
         reductions,
         registry,
+        routes,
         ssm,
         transformer,
     )
