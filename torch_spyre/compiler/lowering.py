@@ -65,6 +65,17 @@ from torch_spyre.kernels.rewrites import _live, _rename_step, _reuse_buffers
 from torch_spyre.kernels.search import Unsupported
 from torch_spyre.layout import FP8_DTYPES, SpyreTensorLayout, stick_elems
 
+
+class ReadShape(Unsupported):
+    """A value this program wrote is read in another factorisation of its dims
+    (a matmul's rows written as ``b*s`` x heads, read as b x s x heads): the
+    reader's pieces, per dim, so that the writer can be planned in them
+    (``scheduling._plan`` plans an absorbed matmul's output so)."""
+
+    def __init__(self, buffer: str, pieces: list[list[int]]) -> None:
+        super().__init__(f"{buffer} is read in another shape than it was written")
+        self.buffer, self.pieces = buffer, pieces
+
 _LN2 = math.log(2.0)
 
 
@@ -290,7 +301,9 @@ class ProgramBuilder(LaneSteps):
                 raise Unsupported(f"{name} is read in part after it was written")
             for a, b in zip(pf, factors):
                 if [self.ranges[v] for v in a] != [self.ranges[v] for v in b]:
-                    raise Unsupported(f"{name} is read in another shape than it was written")
+                    raise ReadShape(
+                        name, [[self.ranges[v] for v in f if not is_ghost(v)] for f in factors]
+                    )
             pairs = [(x, y) for a, b in zip(pf, factors) for x, y in zip(a, b)]
             if not self._one_iteration(pairs):
                 raise Unsupported(f"{name} is read at other indices than it was written")

@@ -127,7 +127,9 @@ def _broadcast_load(b: lowering.ProgramBuilder, inp, outv, what: str):
     return b.load(*_view_index(b, inp, vs))
 
 
-def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
+def matmul_steps(
+    b: lowering.ProgramBuilder, node, out_pieces: list[list[int]] | None = None
+) -> list[str]:
     """Steps of an mm/addmm/bmm/_scaled_mm extern node: loads (and the weight's
     prologue, below), PE-array matmul, alpha/scale/bias epilogue, and the
     (possibly later dropped) store of its output.  Returns the input buffer
@@ -136,7 +138,12 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     A weight computed by a pointwise group of 8-bit data (a dequantisation,
     ``weight_prologue``) is computed here instead: its loads and vector steps
     run in the matmul's k loop, in LX, and the dequantised weight never
-    reaches device memory."""
+    reaches device memory.
+
+    ``out_pieces``: the pieces, per output dim, in which a fused epilogue reads
+    the output (``lowering.ReadShape``); each output dim is iterated in the
+    finer of its own pieces and those, so the epilogue reads the value where
+    the matmul left it."""
     kind = node.python_kernel_name
     b.node_origins = tuple(getattr(node, "origins", None) or ())
     ins = list(node.inputs)
@@ -154,6 +161,10 @@ def matmul_steps(b: lowering.ProgramBuilder, node) -> list[str]:
     asz = _static(a.get_size(), node.get_name())
     wsz = _static(w.get_size(), node.get_name())
     ag, wg = _groups(a, asz), _groups(w, wsz)
+    if out_pieces is not None and len(out_pieces) == (3 if kind.endswith("bmm") else 2):
+        *rows, cols = out_pieces
+        ag = [*(_finer(f, r) for f, r in zip(ag[:-1], rows)), ag[-1]]
+        wg = [*wg[:-1], _finer(wg[-1], cols)]
     roles = [_finer(ag[-1], wg[-2])]  # k
     if kind.endswith("bmm"):
         bt, m, k, n = (_dim_expr(b, f) for f in (_finer(ag[0], wg[0]), ag[1], roles[0], wg[2]))

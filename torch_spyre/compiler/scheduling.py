@@ -281,12 +281,21 @@ class SpyreScheduling(BaseScheduling):
                 return mm
         return None
 
-    def _plan(self, nodes, mm=None, commit: bool = True) -> lowering.Plan:
+    def _plan(self, nodes, mm=None, commit: bool = True, out_pieces=None) -> lowering.Plan:
+        if mm is not None and out_pieces is None:
+            try:
+                return self._plan(nodes, mm, commit, out_pieces=False)
+            except lowering.ReadShape as e:
+                # the epilogue reads the matmul's output in finer pieces (its
+                # rows as batch x tokens x heads): plan the matmul in them
+                if e.buffer != mm.node.get_name():
+                    raise
+                return self._plan(nodes, mm, commit, out_pieces=e.pieces)
         b = lowering.ProgramBuilder(
             _buffer_info, _planning_config(), _simplify, options.current().naive
         )
         if mm is not None:
-            matmul_steps(b, mm.node)
+            matmul_steps(b, mm.node, out_pieces or None)
         group = {n.get_name() for n in nodes}
         # the layout of a stored intermediate, costed with its readers
         b.readers_cost = functools.partial(layouts.consumers_cost, self, group, b.cfg)
