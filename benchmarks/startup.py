@@ -31,6 +31,13 @@ Inductor's own CPU backend, each cold (an empty cache directory) and warm
 (the directory the cold run filled), every run a fresh process: the compile
 time of a shape is its first call less its second.
 
+``python benchmarks/startup.py --package``: a deployment that ships
+SmolLM2-135M's decode step as an AOTInductor package (``torch.export`` +
+``aoti_compile_and_package``, docs/compiler.md "Ahead-of-time packages"):
+the time to build the package, then a fresh process's time to its first
+decode step (import, ``aoti_load_package``, the first call) against the
+README main job's warm compile phase (``--warm-cache``).
+
 Wall-clock figures depend on the machine's load; compare the modes and the
 backends in the same run.
 """
@@ -312,6 +319,64 @@ def warm_cache(json_out: str | None) -> int:
     return 0
 
 
+PACKAGE_BUILD = r"""
+import json, sys, time
+import torch
+from transformers import GenerationConfig
+from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+from torch_spyre import models
+model = models.load("smollm2", device="spyre", dtype=torch.float16)
+model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static",
+    max_length=64, cache_config={"batch_size": 1, "max_cache_len": 64})
+step = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=64)
+t0 = time.perf_counter()
+ep = torch.export.export(step, (), {"input_ids": torch.tensor([[1]]).to("spyre"),
+    "cache_position": torch.tensor([0]).to("spyre")}, strict=True)
+t1 = time.perf_counter()
+torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[1])
+t2 = time.perf_counter()
+print("PACKAGE " + json.dumps({"export_s": t1 - t0, "package_s": t2 - t1}))
+"""
+
+PACKAGE_LOAD = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+run = torch._inductor.aoti_load_package(sys.argv[1])
+t2 = time.perf_counter()
+ids, pos = torch.tensor([[1]]).to("spyre"), torch.tensor([0]).to("spyre")
+first = run(input_ids=ids, cache_position=pos)[0, -1].argmax().item()
+t3 = time.perf_counter()
+print("LOADED " + json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "first_step_s": t3 - t2,
+    "first_s": t3 - t0, "token": first, "bytes": os.path.getsize(sys.argv[1])}))
+"""
+
+
+def package_start(json_out: str | None) -> int:
+    """SmolLM2's decode step built into a .pt2, then loaded by fresh processes."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="spyre_pt2_") as tmp:
+        path = str(Path(tmp) / "smollm2_decode.pt2")
+        env["TORCH_SPYRE_CACHE_DIR"] = str(Path(tmp) / "cache")
+        built = child(PACKAGE_BUILD, [path], env, "PACKAGE", "building the package", 1800)
+        loads = [child(PACKAGE_LOAD, [path], env, "LOADED", "loading the package", 600)
+                 for _ in range(2)]  # fmt: skip
+    print("| what | s |")
+    print("|---|---|")
+    print(f"| torch.export of the decode step | {built['export_s']:.1f} |")
+    print(f"| aoti_compile_and_package ({loads[0]['bytes'] / 1e6:.0f} MB) | "
+          f"{built['package_s']:.1f} |")  # fmt: skip
+    for i, r in enumerate(loads):
+        print(f"| fresh process {i + 1}: import {r['import_s']:.1f} + load {r['load_s']:.1f} + "
+              f"first step {r['first_step_s']:.1f} | {r['first_s']:.1f} |")  # fmt: skip
+    same = len({r["token"] for r in loads}) == 1
+    print(f"\nthe same first token in both processes: {'yes' if same else 'NO'}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"build": built, "loads": loads}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="2,8,40")
@@ -321,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the main job's compile phase and vllm serve's ready time, cold and warm")  # fmt: skip
     ap.add_argument("--vs-cpu", action="store_true",
                     help="the forward's compile time, spyre against Inductor's CPU backend")  # fmt: skip
+    ap.add_argument("--package", action="store_true",
+                    help="SmolLM2's decode step shipped as an AOTInductor package")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.package:
+        return package_start(args.json)
     if args.warm_cache:
         return warm_cache(args.json)
     rows = []

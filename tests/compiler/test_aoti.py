@@ -180,6 +180,26 @@ def test_decode_graph_with_its_kv_cache_round_trips() -> None:
             torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_weights_appended_to_the_library_are_read_from_the_file(tmp_path) -> None:
+    """Past 2 GB of weights AOTInductor appends them to the model library and
+    maps them at run time (forced here for a small model): the loader reads
+    them from the file, and the answer is the CPU's."""
+    torch.manual_seed(0)
+    host = Mlp().eval()
+    model = Mlp().eval()
+    model.load_state_dict(host.state_dict())
+    x = torch.randn(8, 64)
+    ep = torch.export.export(model.to("spyre"), (x.to("spyre"),), strict=True)
+    path = torch._inductor.aoti_compile_and_package(
+        ep,
+        package_path=str(tmp_path / "mapped.pt2"),
+        inductor_configs={"aot_inductor.force_mmap_weights": True},
+    )
+    out = torch._inductor.aoti_load_package(path)(x.to("spyre"))
+    for got, want in zip(out, host(x)):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_inputs_on_another_device_are_refused(mlp_package) -> None:
     _, _, x, path = mlp_package
     loaded = torch._inductor.aoti_load_package(path)

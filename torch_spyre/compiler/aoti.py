@@ -48,14 +48,14 @@ VISIBLE = '__attribute__((visibility("default")))'
 FORMAT = 1
 
 
-def constants_table(graph) -> list[dict]:
-    """Where each weight lies in AOTInductor's constants blob.
+def constants_table(graph) -> tuple[list[dict], int]:
+    """Where each weight lies in AOTInductor's constants blob, and the blob's size.
 
     ``AotCodeCompiler`` writes the storage of every constant that is not
     folded, in ``graph.constants`` order, each starting on an
     ``ALIGN_BYTES`` boundary (``codecache.AotCodeCompiler.compile``,
     "aoti_serialize_constants"); the offsets here follow the same rule, and
-    the loader checks their sum against the blob's size.
+    the loader checks the blob against the size.
     """
     from torch._inductor.codecache import ALIGN_BYTES
 
@@ -79,7 +79,7 @@ def constants_table(graph) -> list[dict]:
             }
         )
         offset += (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-    return table
+    return table, offset
 
 
 def _check_packaging() -> None:
@@ -183,6 +183,7 @@ class SpyreAotWrapperCodegen(SpyreWrapperCodegen):
             self._graph.cpp_wrapper, self._graph.aot_mode = self._flags
         device = next((d for d in self._graph.device_idxs), 0)
         hw = cards.config(device)
+        table, blob_bytes = constants_table(self._graph)
         meta = {
             "format": FORMAT,
             "torch_spyre": _version.__version__,
@@ -190,7 +191,8 @@ class SpyreAotWrapperCodegen(SpyreWrapperCodegen):
             "in_spec": config.aot_inductor.serialized_in_spec,
             "out_spec": config.aot_inductor.serialized_out_spec,
             "inputs": list(self._graph.graph_inputs),
-            "constants": constants_table(self._graph),
+            "constants": table,
+            "constants_bytes": blob_bytes,
             "planned_for": {f: getattr(hw, f) for f in PLANNED_FOR},
         }
         return ValueWithLineMap(cpp_source(module.value, meta), []), ValueWithLineMap("", [])

@@ -76,6 +76,7 @@ class ReadShape(Unsupported):
         super().__init__(f"{buffer} is read in another shape than it was written")
         self.buffer, self.pieces = buffer, pieces
 
+
 _LN2 = math.log(2.0)
 
 

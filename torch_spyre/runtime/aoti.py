@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
+import os
 import pathlib
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -78,36 +81,58 @@ def _check_meta(meta: dict, path: str, device: torch.device) -> None:
         )
 
 
-def _constants(lib: ctypes.CDLL, meta: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """The weights, from AOTInductor's constants blob in the library, on the card."""
-    table = meta["constants"]
-    if not table:
-        return {}
+def _blob(lib: ctypes.CDLL, so_path: str, total: int) -> tuple[Any, int]:
+    """AOTInductor's constants blob: (a buffer holding it, where it starts).
+
+    AOTInductor links the blob into the model library
+    (``_binary_constants_bin_start``).  Past 2 GB of weights, or with
+    ``aot_inductor.force_mmap_weights``, it appends the blob to the library
+    file instead (page-aligned, then an 8-byte magic number) and maps it at
+    run time (``AotCodeCompiler.compile``); it is read from there."""
     try:
         start = ctypes.addressof(ctypes.c_char.in_dll(lib, "_binary_constants_bin_start"))
         end = ctypes.addressof(ctypes.c_char.in_dll(lib, "_binary_constants_bin_end"))
     except ValueError:
+        start = end = 0
+    if end - start >= total:
+        return (ctypes.c_ubyte * total).from_address(start), 0
+    begin = os.path.getsize(so_path) - 8 - total
+    if begin < 0:
         raise AotPackageError(
-            f"{lib._name}: the weights are not in the model library (an external weights "
-            "file is not supported for spyre packages yet)"
-        ) from None
-    need = max(c["offset"] + c["nbytes"] for c in table)
-    if need > end - start:
-        raise AotPackageError(
-            f"{lib._name}: the constants blob holds {end - start} bytes, the package's "
-            f"table needs {need}: the package is corrupt or from another AOTInductor"
+            f"{so_path}: the package's weights ({total} bytes) are neither in the model "
+            "library nor appended to it: the package is corrupt or from another AOTInductor"
         )
+    with open(so_path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), begin
+
+
+def _constants(
+    lib: ctypes.CDLL, so_path: str, meta: dict, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The weights, from AOTInductor's constants blob, on the card."""
+    table = meta["constants"]
+    if not table:
+        return {}
+    blob, base = _blob(lib, so_path, meta["constants_bytes"])
     out = {}
-    for c in table:
-        dtype = getattr(torch, c["dtype"])
-        raw = (ctypes.c_ubyte * c["nbytes"]).from_address(start + c["offset"])
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
-        host = flat.as_strided(c["size"], c["stride"], c["storage_offset"])
-        if c["device"] != "spyre":
-            out[c["name"]] = host.clone()
-            continue
-        t = torch.empty_strided(c["size"], c["stride"], dtype=dtype, device=device)
-        out[c["name"]] = t.copy_(host)
+    with warnings.catch_warnings():
+        # a read-only map: every tensor made here is copied before it is used
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for c in table:
+            dtype = getattr(torch, c["dtype"])
+            if c["nbytes"] == 0:
+                host = torch.empty_strided(c["size"], c["stride"], dtype=dtype)
+            else:
+                raw = torch.frombuffer(blob, dtype=torch.uint8, count=c["nbytes"],
+                                       offset=base + c["offset"])  # fmt: skip
+                host = raw.view(dtype).as_strided(c["size"], c["stride"], c["storage_offset"])
+            if c["device"] != "spyre":
+                out[c["name"]] = host.clone()
+                continue
+            t = torch.empty_strided(c["size"], c["stride"], dtype=dtype, device=device)
+            out[c["name"]] = t.copy_(host)
+    if isinstance(blob, mmap.mmap):
+        blob.close()
     return out
 
 
@@ -131,7 +156,7 @@ class AotModel:
         module = types.ModuleType("torch_spyre_aoti_model")
         module.__file__ = str(path)
         with torch.spyre.device(self.device.index):
-            module.__dict__.update(_constants(lib, meta, self.device))
+            module.__dict__.update(_constants(lib, so_path, meta, self.device))
             exec(compile(source, str(path), "exec"), module.__dict__)
         self.module = module
         self._call = module.call
