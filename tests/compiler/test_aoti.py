@@ -200,11 +200,13 @@ def test_weights_appended_to_the_library_are_read_from_the_file(tmp_path) -> Non
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_inputs_on_another_device_are_refused(mlp_package) -> None:
+def test_inputs_on_another_device_or_of_another_shape_are_refused(mlp_package) -> None:
     _, _, x, path = mlp_package
     loaded = torch._inductor.aoti_load_package(path)
     with pytest.raises(rt_aoti.AotPackageError, match=r"input arg\w* is on cpu.*spyre:0"):
         loaded(x)
+    with pytest.raises(rt_aoti.AotPackageError, match=r"is \(16, 64\).*exported for \(8, 64\)"):
+        loaded(torch.randn(16, 64).to("spyre"))
     assert loaded(x.to("spyre"))[0].device.type == "spyre"  # still usable
 
 

@@ -37,15 +37,12 @@ from torch._inductor.virtualized import V
 
 from torch_spyre.compiler import lowering
 from torch_spyre.compiler.scheduling import SpyreWrapperCodegen
+from torch_spyre.runtime.aoti import FORMAT, PLANNED_FOR  # what the loader reads
 
 #: the raw-string delimiter of the embedded sources (C++ allows up to 16 chars)
 DELIM = "TORCH_SPYRE"
-#: hardware fields a planned program depends on (core splits, LX tiles, sticks)
-PLANNED_FOR = ("cores", "lx_bytes", "stick_bytes")
 #: exported from the model library whatever -fvisibility it is built with
 VISIBLE = '__attribute__((visibility("default")))'
-#: the package format this module writes and runtime.aoti reads
-FORMAT = 1
 
 
 def constants_table(graph) -> tuple[list[dict], int]:
@@ -191,6 +188,12 @@ class SpyreAotWrapperCodegen(SpyreWrapperCodegen):
             "in_spec": config.aot_inductor.serialized_in_spec,
             "out_spec": config.aot_inductor.serialized_out_spec,
             "inputs": list(self._graph.graph_inputs),
+            "input_shapes": [
+                [int(d) for d in v.get_size()] for v in self._graph.graph_inputs.values()
+            ],
+            "input_dtypes": [
+                str(v.get_dtype()).removeprefix("torch.") for v in self._graph.graph_inputs.values()
+            ],
             "constants": table,
             "constants_bytes": blob_bytes,
             "planned_for": {f: getattr(hw, f) for f in PLANNED_FOR},

@@ -25,8 +25,9 @@ import torch
 
 from torch_spyre.runtime import cards
 
-#: the package format compiler/aoti.py writes (``FORMAT`` there)
+#: the package format compiler/aoti.py writes and this module reads
 FORMAT = 1
+#: hardware fields a planned program depends on (core splits, LX tiles, sticks)
 PLANNED_FOR = ("cores", "lx_bytes", "stick_bytes")
 
 
@@ -167,11 +168,18 @@ class AotModel:
             raise AotPackageError(
                 f"the package's model takes {len(names)} tensor input(s), got {len(inputs)}"
             )
-        for name, t in zip(names, inputs):
+        shapes, dtypes = self.meta["input_shapes"], self.meta["input_dtypes"]
+        for name, t, shape, dtype in zip(names, inputs, shapes, dtypes):
             if t.device != self.device:
                 raise AotPackageError(
                     f"input {name} is on {t.device}; the package was loaded on "
                     f"{self.device}: move the inputs there (.to({str(self.device)!r}))"
+                )
+            if list(t.shape) != shape or str(t.dtype).removeprefix("torch.") != dtype:
+                raise AotPackageError(
+                    f"input {name} is {tuple(t.shape)} {t.dtype}; the package was exported "
+                    f"for {tuple(shape)} torch.{dtype} (its programs are planned for that "
+                    "shape): export and package the model for this one"
                 )
         with torch.spyre.device(self.device.index):
             outs = self._call(list(inputs))
