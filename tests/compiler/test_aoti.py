@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_spyre.runtime import aoti as rt_aoti
+from torch_spyre.sim import KernelRecord, trace
 
 
 class Mlp(torch.nn.Module):
@@ -198,6 +199,41 @@ def test_weights_appended_to_the_library_are_read_from_the_file(tmp_path) -> Non
     out = torch._inductor.aoti_load_package(path)(x.to("spyre"))
     for got, want in zip(out, host(x)):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_eight_bit_weights_round_trip(tmp_path, wdtype) -> None:
+    """A quantised linear (8-bit weight, per-channel scale): the 8-bit weight
+    goes through the constants blob as it is, and its dequantisation stays
+    planned into the matmul."""
+    from torch_spyre.testing import tolerances
+
+    class Linear8(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            w = torch.ops.spyre.quantize(torch.randn(192, 256), torch.tensor(0.02), wdtype)
+            self.register_buffer("w", w)
+            self.register_buffer("s", torch.rand(192) * 0.002 + 0.001)
+            self.register_buffer("b", torch.randn(192, dtype=torch.float16))
+
+        def forward(self, x):
+            y = torch.ops.spyre.quantized_linear(x * 0.5 + 1.0, self.w, self.s, self.b)
+            return torch.nn.functional.silu(y)
+
+    torch.manual_seed(0)
+    model, x = Linear8(), torch.randn(1, 4, 256, dtype=torch.float16)
+    want = model(x)
+    path = _package(model.to("spyre"), (x.to("spyre"),), tmp_path / "q.pt2")
+    loaded = torch._inductor.aoti_load_package(path)
+    records: list = []
+    trace.add_listener(records.append)
+    try:
+        got = loaded(x.to("spyre"))
+    finally:
+        trace.remove_listener(records.append)
+    torch.testing.assert_close(got.cpu(), want, **tolerances(torch.float16))
+    names = [r.name for r in records if isinstance(r, KernelRecord)]
+    assert len(names) == 2 and names[-1].startswith("fused_mm_"), names  # x*0.5+1, then one
 
 
 def test_inputs_on_another_device_or_of_another_shape_are_refused(mlp_package) -> None:
