@@ -54,7 +54,6 @@ from torch_spyre.compiler.infinities import may_be_infinite
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
 from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
 from torch_spyre.compiler.storage_views import view_of_computed
-from torch_spyre.ops import routes  # noqa: F401  (the spyre:: ops the pass routes nodes to)
 
 #: ops whose result is an affine function of iotas and constants when their inputs are
 _AFFINE_OPS = {

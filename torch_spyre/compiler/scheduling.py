@@ -281,21 +281,26 @@ class SpyreScheduling(BaseScheduling):
                 return mm
         return None
 
-    def _plan(self, nodes, mm=None, commit: bool = True, out_pieces=None) -> lowering.Plan:
-        if mm is not None and out_pieces is None:
-            try:
-                return self._plan(nodes, mm, commit, out_pieces=False)
-            except lowering.ReadShape as e:
-                # the epilogue reads the matmul's output in finer pieces (its
-                # rows as batch x tokens x heads): plan the matmul in them
-                if e.buffer != mm.node.get_name():
-                    raise
-                return self._plan(nodes, mm, commit, out_pieces=e.pieces)
+    def _plan(self, nodes, mm=None, commit: bool = True) -> lowering.Plan:
+        if mm is None:
+            return self._build(nodes)
+        try:
+            return self._build(nodes, mm, commit)
+        except lowering.ReadShape as e:
+            # the epilogue reads the matmul's output in finer pieces (its rows
+            # as batch x tokens x heads): the matmul is planned in them, now
+            # and when the fused plan is made again (codegen_node)
+            if e.buffer != mm.node.get_name() or mm.out_pieces is not None:
+                raise
+            mm.out_pieces = e.pieces
+            return self._build(nodes, mm, commit)
+
+    def _build(self, nodes, mm=None, commit: bool = True) -> lowering.Plan:
         b = lowering.ProgramBuilder(
             _buffer_info, _planning_config(), _simplify, options.current().naive
         )
         if mm is not None:
-            matmul_steps(b, mm.node, out_pieces or None)
+            matmul_steps(b, mm.node, mm.out_pieces)
         group = {n.get_name() for n in nodes}
         # the layout of a stored intermediate, costed with its readers
         b.readers_cost = functools.partial(layouts.consumers_cost, self, group, b.cfg)
@@ -534,6 +539,8 @@ class _PendingMatmul:
         self.node, self.var, self.inputs, self.position = node, var, inputs, position
         self.line = line
         self.absorbed = False
+        #: the pieces its fused epilogue reads its output in (``lowering.ReadShape``)
+        self.out_pieces: list[list[int]] | None = None
 
 
 class _MatmulLine(WrapperLine):

@@ -183,7 +183,7 @@ class AotModel:
                 )
         with torch.spyre.device(self.device.index):
             outs = self._call(list(inputs))
-        return [o for o in outs]
+        return list(outs)
 
 
 def load(so_path: str, device_str: str, model_dir: str) -> Any:
