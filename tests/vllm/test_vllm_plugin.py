@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from importlib.metadata import entry_points
 
 import pytest
@@ -166,3 +167,36 @@ def test_token_buckets(spyre_settings):
     assert spyre_compile.buckets(100) == [8, 64, 100]
     spyre_settings(vllm_compile=False)
     assert not spyre_compile.enabled()
+
+
+def test_engine_processes_fork_unless_the_user_chose(monkeypatch):
+    """``vllm serve`` sets ``spawn`` for every platform after the platform is
+    chosen; the spyre platform forks its engine (no second import of torch and
+    vLLM) unless the user had set a start method before vLLM started."""
+    from torch_spyre.vllm_plugin.platform import start_method
+
+    monkeypatch.setattr(plugin, "MP_METHOD_AT_START", None)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # cli_env_setup's
+    assert start_method() == "fork"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    # unset (vLLM as a library): vLLM's own default, fork, and no variable written
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    assert start_method() == "fork"
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    monkeypatch.setattr(plugin, "MP_METHOD_AT_START", "spawn")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert start_method() == "spawn"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_the_start_method_is_recorded_before_vllm_serve_sets_it(monkeypatch):
+    monkeypatch.setattr(plugin, "_asked", False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    plugin.register()
+    assert plugin.MP_METHOD_AT_START is None
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    plugin.register()  # asked again later: the first answer stands
+    assert plugin.MP_METHOD_AT_START is None
+    monkeypatch.setattr(plugin, "_asked", False)
+    plugin.register()
+    assert plugin.MP_METHOD_AT_START == "spawn"

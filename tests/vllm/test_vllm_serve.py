@@ -225,6 +225,10 @@ def test_sixteen_concurrent_requests_none_lost_or_mixed(server, expected):
     compiled = re.findall(r"compiled the forward for the (\d+)-token bucket", log)
     assert compiled and len(compiled) == len(set(compiled)), compiled
     assert "16" in compiled  # the decode steps of the 16 requests
+    # the engine process was forked from the API server (platform.start_method):
+    # torch was imported once, not again in a spawned engine
+    assert "engine processes are forked" in log
+    assert log.count("Triton not available") <= 1
     print(f"16 concurrent requests x {MAX_TOKENS} tokens: {wall:.1f} s wall")
 
 

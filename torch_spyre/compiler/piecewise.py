@@ -33,6 +33,8 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.split_module import split_module
 
+from torch_spyre.sim import card
+
 #: compiled pieces of this process: key -> compiled callable
 _PIECES: dict[str, Callable] = {}
 
@@ -250,8 +252,10 @@ def compile_outside(compile_fn, gm: torch.fx.GraphModule, args: list) -> Callabl
     # bypasses the cache, and a warm start would compile every piece again)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = torch._guards.TracingContext(mode)
-    # a top-level compile event: AOTAutograd's cache records a hit on it
+    # a top-level compile event: AOTAutograd's cache records a hit on it;
+    # the card work of compiling is not the caller's (sim/card.py ``compiling``)
     with (
+        card.compiling(),
         torch._guards.tracing(context),
         get_metrics_context(),
         dynamo_timed("spyre_compile_per_shape", log_pt2_compile_event=True),

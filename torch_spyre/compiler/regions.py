@@ -86,6 +86,25 @@ def unmark(model: torch.nn.Module) -> None:
             m.__class__ = original
 
 
+def flat_inductor(gm: torch.fx.GraphModule, example_inputs):
+    """A ``torch.compile`` backend: Inductor (``compile_fx``, what the default
+    backend runs) on ``gm`` with its nested compile regions flattened
+    (``inline_subgraphs``), so a model whose layers are regions
+    (``models/layer_regions.py``) is planned as its flat trace."""
+    from torch._inductor.compile_fx import compile_fx
+
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _INVOKE]
+    bodies = {n.args[0].target if isinstance(n.args[0], torch.fx.Node) else id(n.args[0])
+              for n in calls}  # fmt: skip
+    flat_stats.append((len(calls), len(bodies)))
+    inline_subgraphs(gm)
+    return compile_fx(gm, example_inputs)
+
+
+#: per graph ``flat_inductor`` compiled: (region calls, distinct traced bodies)
+flat_stats: list[tuple[int, int]] = []
+
+
 def inline_subgraphs(gm: torch.fx.GraphModule) -> int:
     """Replace every ``invoke_subgraph`` call of ``gm`` by a copy of its
     subgraph's nodes over the call's operands (nested calls too); the number
@@ -165,4 +184,4 @@ def _drop_attr(gm: torch.fx.GraphModule, target: str) -> None:
         delattr(gm, target)
 
 
-__all__ = ["inline_subgraphs", "mark_repeated", "unmark"]
+__all__ = ["flat_inductor", "inline_subgraphs", "mark_repeated", "unmark"]

@@ -24,7 +24,7 @@ import torch
 import transformers
 from torch import nn
 
-from torch_spyre.models import offline, quantized
+from torch_spyre.models import layer_regions, offline, quantized
 from torch_spyre.models.attention import attention_variants
 from torch_spyre.models.moe import moe_experts
 from torch_spyre.models.patches import Patch, chunk_lm_head, sdpa_attention, tabulate_rotary
@@ -175,8 +175,15 @@ def prepare(
     model.spyre_patches = list(opts.applied)
     model.spyre_compiled = compile
     if compile:
+        from torch_spyre.compiler import regions
+
+        # the decoder layers traced once (models/layer_regions.py)
+        what = layer_regions.mark_layers(model)
+        if what:
+            opts.applied.append(f"layer_regions: {what}")
+            model.spyre_patches = list(opts.applied)
         # one graph per input shape: models.generate keeps one shape per bucket
-        model.forward = torch.compile(model.forward, dynamic=False)
+        model.forward = torch.compile(model.forward, backend=regions.flat_inductor, dynamic=False)
     return model
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from torch_spyre.models import layer_regions
+
 
 @dataclass
 class Generation:
@@ -127,6 +129,9 @@ def generate(
     n_pad = _round_up(n, prefill_bucket)
     cache_len = _round_up(n_pad + max_new_tokens, bucket)
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    # a compiled model's layers take their cache tensors as region inputs
+    # (models/layer_regions.py): allocated now, not inside the first graph
+    layer_regions.allocate(model, cache, batch)
     if n_pad > n and not all(getattr(layer, "is_croppable", True) for layer in cache.layers):
         # a sliding-window layer shorter than the cache cannot take the padding
         # back (it may have pushed real tokens out): prefill unpadded

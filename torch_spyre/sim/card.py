@@ -45,8 +45,11 @@ settings.watch(_timing_only_setting)
 
 def timing_only_active() -> bool:
     """True inside ``timing_only()`` or with the ``timing_only`` setting
-    (``TORCH_SPYRE_TIMING_ONLY=1``)."""
-    return _timing_only
+    (``TORCH_SPYRE_TIMING_ONLY=1``), except on a thread that is compiling
+    (``compile_started``): what a compilation runs on the card makes
+    constants (fills, folded constants, uploaded tables) that every later
+    call reads, so it always executes; it is not billed either way."""
+    return _timing_only and not _card.unbilled()
 
 
 @contextlib.contextmanager
@@ -87,6 +90,20 @@ def compile_started(*_: object) -> None:
 def compile_ended(*_: object) -> None:
     """The compilation ended: the card bills again (Dynamo's end callback)."""
     _card.set_unbilled(False)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """A compilation outside Dynamo's window (a shape compiled at run time,
+    ``compiler/piecewise.compile_outside``): unbilled and executed, as
+    between ``compile_started`` and ``compile_ended``; nestable."""
+    was = _card.unbilled()
+    _card.set_unbilled(True)
+    try:
+        yield
+    finally:
+        if not was:
+            _card.set_unbilled(False)
 
 
 def unbilled() -> bool:
@@ -191,7 +208,7 @@ class SimulatedCard:
         """
         self.check_stream()
         rep = report or self.estimate(program)
-        if buffers is not None and not _timing_only:
+        if buffers is not None and not timing_only_active():
             try:
                 if isinstance(program, GroupedProgram):
                     for phase in program.phases:  # one launch, the phases in turn

@@ -24,6 +24,13 @@ VLLM_VERSION = "0.32.0"
 
 PLATFORM_QUALNAME = "torch_spyre.vllm_plugin.platform.SpyrePlatform"
 
+#: vLLM's start method for its engine and worker processes, as the user set it
+#: when vLLM first asked for a platform (None: not set).  ``vllm serve`` sets
+#: ``spawn`` after that, for every platform (``cli_env_setup``); the spyre
+#: platform tells the two apart (``platform.start_method``).
+MP_METHOD_AT_START: str | None = None
+_asked = False
+
 
 def enabled() -> bool:
     """The ``vllm`` setting (``TORCH_SPYRE_VLLM``)."""
@@ -52,6 +59,10 @@ def ibm_plugin_selected() -> bool:
 
 def register() -> str | None:
     """``vllm.platform_plugins`` hook: the platform class to use, or None."""
+    global MP_METHOD_AT_START, _asked
+    if not _asked:
+        _asked = True
+        MP_METHOD_AT_START = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
     if not enabled():
         return None
     if ibm_plugin_selected():

@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MambaSpec, 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.utils import bind_kv_cache
 
-from torch_spyre import settings
+from torch_spyre import settings, sim
 from torch_spyre.vllm_plugin import compile as compile_mod
 from torch_spyre.vllm_plugin import metrics
 from torch_spyre.vllm_plugin.compile import CompiledForward, CompiledHead
@@ -159,7 +159,7 @@ class SpyreModelRunner(CPUModelRunner):
 
         t_all = time.perf_counter()
         # inference mode, as vLLM runs steps: its tensors' dispatch keys are in the guards
-        with torch.inference_mode():
+        with torch.inference_mode(), sim.timing_only():
             for i, b in enumerate(sizes, 1):
                 t0 = time.perf_counter()
                 # the dtypes of vLLM's own input buffers (guards check them)

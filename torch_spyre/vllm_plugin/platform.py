@@ -9,6 +9,7 @@ where the layers run (model_runner.py, layers.py, attention.py).
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,6 +140,7 @@ class SpyrePlatform(Platform):
 
         parallel = vllm_config.parallel_config
         _check_parallel(parallel)
+        start_method()
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "torch_spyre.vllm_plugin.worker.SpyreWorker"
         if parallel.world_size == 1:
@@ -297,6 +299,37 @@ def _one_state_block_per_request(vllm_config: VllmConfig) -> None:
     cache.enable_prefix_caching = False
     cache.mamba_cache_mode = "none"
     cache.mamba_block_size = model.max_model_len
+
+
+def start_method() -> str:
+    """The start method of vLLM's engine and worker processes: ``fork`` unless
+    the user chose one (``VLLM_WORKER_MULTIPROC_METHOD``).
+
+    ``vllm serve`` asks for ``spawn`` for every platform, since ``fork`` "is not
+    compatible with some accelerators" (``cli_env_setup``, after the platform
+    is chosen: ``MP_METHOD_AT_START`` holds what the user had set).  A spawned
+    engine imports torch, vLLM and torch_spyre again, ~5 s of a ~20 s start
+    here.  The simulated card has no driver and no thread that a fork could
+    break (``runtime/device_module._is_in_bad_fork``) and the API server
+    never allocates on it, so a forked engine starts from an unused card, as
+    under vLLM's library path (``vllm.LLM`` forks by default).  vLLM's CPU
+    platform makes the same choice the other way (``spawn``), in the same
+    hook.
+    """
+    from torch_spyre import vllm_plugin
+
+    chosen = vllm_plugin.MP_METHOD_AT_START
+    if chosen is not None:
+        return chosen
+    now = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if now is None or now == "fork":
+        return "fork"  # vLLM's default, left unwritten (no variable for the user's children)
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+    logger.info(
+        "spyre: vLLM's engine processes are forked, not spawned "
+        "(VLLM_WORKER_MULTIPROC_METHOD=spawn to spawn them)"
+    )
+    return "fork"
 
 
 def _check_parallel(parallel) -> None:
