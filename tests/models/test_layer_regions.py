@@ -116,3 +116,26 @@ def test_a_layer_that_asks_its_cache_more_than_update_is_not_marked():
     assert layer_regions.mark_layers(ref).startswith("layers not marked: Asking.forward")
     assert type(ref.model.layers[0]).__name__ == "LlamaDecoderLayer"
     assert getattr(type(ref.model.layers[0]), "_spyre_layer_of", None) is None
+
+
+def test_layers_that_differ_are_traced_each_and_still_compile():
+    """Layers whose trace differs (here each attention's scaling, a constant
+    the trace reads) are distinct bodies, one per layer: more than Dynamo's
+    default cap of 8 (or our vLLM regions' 16) must still compile, and
+    answer as the unmarked model (CPU, fp32, Dynamo only)."""
+    ref = _llama(18)
+    for i, layer in enumerate(ref.model.layers):
+        layer.self_attn.scaling = 0.125 * (1 + i / 64)
+    marked = copy.deepcopy(ref)
+    assert layer_regions.mark_layers(marked).startswith("18 ")
+
+    def backend(gm, example_inputs):
+        regions.inline_subgraphs(gm)
+        return gm.forward
+
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    fn = torch.compile(marked.forward, backend=backend, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        got = fn(input_ids=ids, use_cache=False).logits
+        want = ref(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -591,7 +591,9 @@ def estimate(
     torch_spyre.reset_fallback_counts()
     dispatch_stats.reset("fallback")
     lora_saved_s = 0.0  # the decode step without adapters, less the step with them
-    ctx = timing_only_mode() if timing_only else contextlib.nullcontext()
+    # the estimate wants times, not values: its compilations skip their card
+    # work too (sim/card.py timing_only)
+    ctx = timing_only_mode(compiles=False) if timing_only else contextlib.nullcontext()
     dyn_cfg = torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096)
     with ctx, dyn_cfg:
         for phase, tokens in phases:

@@ -136,8 +136,12 @@ def _region_body(layer, hidden_states, keys, values, length, spec, *leaves):
 
 
 #: the region every marked layer class calls (marked once: Dynamo keys its
-#: reuse on the function; each call brings its own layer and tensors)
-_REGION = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=16)
+#: reuse on the function; each call brings its own layer and tensors).  Dynamo
+#: keeps one traced body per distinct layer within a graph and refuses the
+#: compile past ``max_reuse_entries``: layers that differ in what the trace
+#: reads (a sliding and a full layer, a per-layer constant a model's code
+#: branches on) are distinct bodies, so the cap is above any model's depth
+_REGION = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=256)
 
 #: layer class -> its marked subclass
 _CLASSES: dict[type, type] = {}

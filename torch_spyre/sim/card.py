@@ -43,17 +43,23 @@ def _timing_only_setting(s: settings.Settings) -> None:
 settings.watch(_timing_only_setting)
 
 
+#: inside ``timing_only(compiles=False)``: compilations skip their card work too
+_compiles_skip = False
+
+
 def timing_only_active() -> bool:
     """True inside ``timing_only()`` or with the ``timing_only`` setting
     (``TORCH_SPYRE_TIMING_ONLY=1``), except on a thread that is compiling
     (``compile_started``): what a compilation runs on the card makes
     constants (fills, folded constants, uploaded tables) that every later
-    call reads, so it always executes; it is not billed either way."""
-    return _timing_only and not _card.unbilled()
+    call reads, so it executes (unbilled either way) unless the innermost
+    ``timing_only(compiles=False)`` says the compiled code's values do not
+    matter."""
+    return _timing_only and (_compiles_skip or not _card.unbilled())
 
 
 @contextlib.contextmanager
-def timing_only() -> Iterator[None]:
+def timing_only(compiles: bool = True) -> Iterator[None]:
     """Kernel programs are validated, timed and traced, but not executed.
 
     For performance studies of shapes too big to compute on the host (the
@@ -64,14 +70,21 @@ def timing_only() -> Iterator[None]:
     fallbacks and copies still run.  Process-wide (all threads), nestable;
     the environment variable ``TORCH_SPYRE_TIMING_ONLY=1`` turns it on for a
     whole process.
+
+    ``compiles``: whether the card work of a compilation inside (constants
+    it makes, which the compiled code then reads) still executes (the
+    default).  ``False`` skips it too, for performance studies only: the
+    graphs compiled inside then hold unspecified constants.
     """
-    global _timing_only_depth, _timing_only
+    global _timing_only_depth, _timing_only, _compiles_skip
     _timing_only_depth += 1
     _timing_only = True
+    outer_skip, _compiles_skip = _compiles_skip, not compiles
     _notify()
     try:
         yield
     finally:
+        _compiles_skip = outer_skip
         _timing_only_depth -= 1
         _timing_only = _timing_only_depth > 0 or settings.get().timing_only
         _notify()
