@@ -172,16 +172,16 @@ def prepare(
     if dtype is not None:
         model.to(dtype)
     model.to(device)  # keeps tied weights tied (one device copy)
+    if compile:
+        # the decoder layers traced once (models/layer_regions.py)
+        what = layer_regions.mark_layers(model)
+        if what:
+            opts.applied.append(f"layer_regions: {what}")
     model.spyre_patches = list(opts.applied)
     model.spyre_compiled = compile
     if compile:
         from torch_spyre.compiler import regions
 
-        # the decoder layers traced once (models/layer_regions.py)
-        what = layer_regions.mark_layers(model)
-        if what:
-            opts.applied.append(f"layer_regions: {what}")
-            model.spyre_patches = list(opts.applied)
         # one graph per input shape: models.generate keeps one shape per bucket
         model.forward = torch.compile(model.forward, backend=regions.flat_inductor, dynamic=False)
     return model

@@ -44,6 +44,7 @@ import textwrap
 
 import torch
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
 #: names a transformers module's forward gives its cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -147,19 +148,10 @@ _REGION = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=2
 _CLASSES: dict[type, type] = {}
 
 
-def _static_layer_type() -> type | None:
-    try:
-        from transformers.cache_utils import StaticLayer
-    except ImportError:  # pragma: no cover - transformers without static layers
-        return None
-    return StaticLayer
-
-
 def _marked_class(cls: type) -> type:
     marked = _CLASSES.get(cls)
     if marked is not None:
         return marked
-    static = _static_layer_type()
 
     def forward(self, hidden_states, *args, **kwargs):
         cache = kwargs.pop("cache", None)
@@ -173,12 +165,7 @@ def _marked_class(cls: type) -> type:
         layers = getattr(cache, "layers", None)
         idx = self._spyre_layer_index
         own = layers[idx] if isinstance(layers, list | tuple) and idx < len(layers) else None
-        if (
-            static is not None
-            and type(own) is static
-            and getattr(own, "is_initialized", False)
-            and isinstance(getattr(own, "cumulative_length", None), torch.Tensor)
-        ):
+        if type(own) is StaticLayer and own.is_initialized:
             return _REGION(
                 self, hidden_states, own.keys, own.values, own.cumulative_length, flat[0], *flat[1]
             )
@@ -226,25 +213,23 @@ def allocate(model: nn.Module, cache, batch: int) -> bool:
     if layers is None or getattr(type(layers[0]), "_spyre_layer_of", None) is None:
         return False
     own = getattr(cache, "layers", None)
-    static = _static_layer_type()
     if not isinstance(own, list) or len(own) != len(layers):
         return False
-    if any(type(c) is not static or c.is_initialized for c in own):
+    if any(type(c) is not StaticLayer or c.is_initialized for c in own):
         return False
     cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)
-    head_dim = getattr(cfg, "head_dim", None) or (
-        cfg.hidden_size // cfg.num_attention_heads if heads else None
-    )
-    if not heads or not head_dim:
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else None)
+    if not kv_heads or not head_dim:
         return False
     for layer in layers:
         attn = layer.self_attn
         for proj in (getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)):
-            if not isinstance(proj, nn.Linear) or proj.out_features != heads * head_dim:
+            if not isinstance(proj, nn.Linear) or proj.out_features != kv_heads * head_dim:
                 return False
     weight = layers[0].self_attn.k_proj.weight
-    cache.early_initialization(batch, heads, head_dim, weight.dtype, weight.device)
+    cache.early_initialization(batch, kv_heads, head_dim, weight.dtype, weight.device)
     return True
 
 

@@ -221,7 +221,7 @@ class SimulatedCard:
         """
         self.check_stream()
         rep = report or self.estimate(program)
-        if buffers is not None and not timing_only_active():
+        if buffers is not None and not (_timing_only and timing_only_active()):
             try:
                 if isinstance(program, GroupedProgram):
                     for phase in program.phases:  # one launch, the phases in turn
