@@ -144,8 +144,23 @@ def test_ci_sample_of_the_sweep(tmp_path):
     ok = [r for r in rows.values() if r.status == "ok"]
     lines = "\n".join(sweep._line(r) for r in rows.values())
     assert len(rows) == len(sweep.CI_SAMPLE), lines
-    assert len(ok) >= 25, lines
+    assert len(ok) >= len(sweep.CI_SAMPLE) - 2, lines
     assert not [r.type for r in ok if "mismatch" in (r.eager.verdict, r.compiled.verdict)], lines
     assert not [r.type for r in ok if r.compiled.verdict == "error"], lines
     assert not [r.type for r in ok if r.eager.verdict != "match"], lines
     print(f"\nCI sample: {len(rows)} types in {wall:.0f} s\n{lines}")
+
+
+def test_a_row_being_written_or_cut_off_is_not_read(tmp_path):
+    """The parent reads the results while a worker writes them: a last line
+    without its newline is not a row yet, and a line a killed worker left
+    unfinished is skipped (that type runs again), never a JSON error."""
+    out = tmp_path / "r.jsonl"
+    sweep._append(out, run.Row("llama", "causal-lm", mode="decode"))
+    whole = json.dumps(run.Row("gpt2", "causal-lm", mode="decode").to_dict())
+    with out.open("a") as f:
+        f.write(whole[: len(whole) // 2])  # mid-write
+    assert set(sweep.load(out)) == {"llama"}
+    sweep._append(out, run.Row("qwen3", "causal-lm", mode="decode"))  # after a kill
+    assert set(sweep.load(out)) == {"llama", "qwen3"}
+    assert out.read_text().count("\n") == 3

