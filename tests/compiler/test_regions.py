@@ -109,3 +109,35 @@ def test_layers_of_other_classes_are_marked_apart_and_a_nested_list_with_its_lay
     assert type(model.blocks[0]).__name__ == "Block"
     regions.unmark(model)
     assert all(type(m) is Block for m in model.blocks)
+
+
+class Scaled(Layer):
+    """A layer whose trace depends on its index (a Python int it multiplies
+    by): every layer of a stack of these is a distinct traced body."""
+
+    def __init__(self, d: int, i: int) -> None:
+        super().__init__(d)
+        self.i = i
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        h, residual = super().forward(x, residual)
+        return h * (self.i + 1), residual
+
+
+def test_more_distinct_layers_than_dynamos_default_reuse_cap_still_compile_as_regions():
+    """A model whose 20 layers trace to 20 bodies (per-layer constants, as a
+    sliding/global mix does) compiles with every layer a region: the reuse cap
+    is regions.MAX_BODIES, above any model's depth (Dynamo refused the whole
+    trace past the former 16: "exceeded maximum reuse entries").  Bodies used
+    once each are inlined by Dynamo itself, so the graph is the flat one."""
+    torch.manual_seed(0)
+    model = Stack(1, 16).eval()
+    model.layers = torch.nn.ModuleList(Scaled(16, i) for i in range(20))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+        assert regions.mark_repeated(model) == ["layers"]
+        got, seen = _compile(model, x)
+    regions.unmark(model)
+    assert seen["left"] == 0
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

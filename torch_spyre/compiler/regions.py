@@ -32,6 +32,13 @@ import torch
 
 _INVOKE = torch.ops.higher_order.invoke_subgraph
 
+#: distinct traced bodies Dynamo keeps for one region (``max_reuse_entries``;
+#: its default is 8): layers that differ in what their trace reads (a sliding
+#: and a full layer, a per-layer constant a model's code branches on) are
+#: distinct bodies, and Dynamo refuses the whole trace past the cap, so it is
+#: above any model's depth
+MAX_BODIES = 256
+
 
 def mark_repeated(model: torch.nn.Module) -> list[str]:
     """Mark the members of ``model``'s lists of same-class layers as one
@@ -69,7 +76,7 @@ def _region_class(cls: type) -> type:
         return cls
     region = _REGIONS.get(cls)
     if region is None:
-        forward = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=16)
+        forward = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=MAX_BODIES)
         region = _REGIONS[cls] = type(
             cls.__name__,
             (cls,),

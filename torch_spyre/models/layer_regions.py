@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import StaticLayer
 
+from torch_spyre.compiler import regions
+
 #: names a transformers module's forward gives its cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 _CACHE_USE = re.compile(r"\b(" + "|".join(_CACHE_NAMES) + r")\s*\.\s*(\w+)")
@@ -137,12 +139,9 @@ def _region_body(layer, hidden_states, keys, values, length, spec, *leaves):
 
 
 #: the region every marked layer class calls (marked once: Dynamo keys its
-#: reuse on the function; each call brings its own layer and tensors).  Dynamo
-#: keeps one traced body per distinct layer within a graph and refuses the
-#: compile past ``max_reuse_entries``: layers that differ in what the trace
-#: reads (a sliding and a full layer, a per-layer constant a model's code
-#: branches on) are distinct bodies, so the cap is above any model's depth
-_REGION = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=256)
+#: reuse on the function; each call brings its own layer and tensors), with
+#: one traced body per distinct layer up to regions.MAX_BODIES
+_REGION = torch.compiler.nested_compile_region(_region_body, max_reuse_entries=regions.MAX_BODIES)
 
 #: layer class -> its marked subclass
 _CLASSES: dict[type, type] = {}
