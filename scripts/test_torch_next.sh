@@ -80,7 +80,7 @@ EOF
 echo "test_torch_next: torch $(python -c 'import torch; print(torch.__version__)'), sample from $src" >&2
 rc=0
 # two workers, a test file each at a time, as scripts/test.sh
-OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -p no:cacheprovider -m "not slow" \
+OMP_NUM_THREADS=1 python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m "not slow" \
   --ignore=tests/vllm --deselect tests/models/test_estimate_plan.py::test_serve_plan_cli \
   --deselect tests/models/test_spec_estimate.py::test_serve_plan_with_speculation \
   "$@" tests || rc=$?

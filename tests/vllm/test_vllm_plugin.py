@@ -200,3 +200,24 @@ def test_the_start_method_is_recorded_before_vllm_serve_sets_it(monkeypatch):
     monkeypatch.setattr(plugin, "_asked", False)
     plugin.register()
     assert plugin.MP_METHOD_AT_START == "spawn"
+
+
+def test_torch_event_works_after_vllms_cpu_worker_is_imported():
+    """vLLM's CPU worker imports a module that replaces torch.Event process-wide
+    with a placeholder; the plugin's worker puts the real class back, so spyre
+    events still time streams in a process that ran an engine."""
+    import sys
+
+    from torch_spyre.vllm_plugin import worker  # noqa: F401
+
+    assert "vllm.v1.worker.cpu.shm" in sys.modules  # the module that replaces it
+    assert torch.Event is torch._C.Event
+    start, end = (
+        torch.Event(device="spyre", enable_timing=True),
+        torch.Event(device="spyre", enable_timing=True),
+    )
+    start.record()
+    torch.ones(64, device="spyre").sum()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0

@@ -53,6 +53,17 @@ def _restore_async_tensor_h2d() -> None:
 
 _restore_async_tensor_h2d()
 
+# The same module also replaces ``torch.Event`` process-wide with a placeholder
+# that has only record/wait/synchronize, so after an engine ran in a process,
+# ``torch.Event(device="spyre")`` lost ``elapsed_time`` and ``query`` for every
+# other user of that process (a notebook, a test run).  torch.Event is the
+# device-generic event our streams use; vLLM's CPU runner sets its own
+# placeholder while it builds (cpu_model_runner._torch_cuda_wrapper) and needs
+# none after, so the real class is put back (torch.cuda.* stays vLLM's: no
+# CUDA here).  vLLM has no hook for this; tests/vllm/test_vllm_plugin.py fails
+# if it is lost.
+torch.Event = torch._C.Event
+
 
 class SpyreWorker(CPUWorker):
     def __init__(
