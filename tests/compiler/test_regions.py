@@ -125,11 +125,11 @@ class Scaled(Layer):
 
 
 def test_more_distinct_layers_than_dynamos_default_reuse_cap_still_compile_as_regions():
-    """A model whose 20 layers trace to 20 bodies (per-layer constants, as a
-    sliding/global mix does) compiles with every layer a region: the reuse cap
-    is regions.MAX_BODIES, above any model's depth (Dynamo refused the whole
-    trace past the former 16: "exceeded maximum reuse entries").  Bodies used
-    once each are inlined by Dynamo itself, so the graph is the flat one."""
+    """A model whose 20 marked layers trace to 20 bodies (per-layer constants,
+    as a sliding/global mix does) still compiles and answers as eager: the
+    reuse cap is regions.MAX_BODIES, above any model's depth (Dynamo refused
+    the whole trace past the former 16: "exceeded maximum reuse entries").
+    Bodies used once each are inlined by Dynamo itself: the graph is flat."""
     torch.manual_seed(0)
     model = Stack(1, 16).eval()
     model.layers = torch.nn.ModuleList(Scaled(16, i) for i in range(20))
