@@ -10,4 +10,5 @@ python -m ruff format --check .
 python -c "from torch_spyre.models import offline; [offline.folder(n) for n in offline.OFFLINE_MODELS]"
 # Two workers (the machine's two cores), a test file each at a time: the suite
 # is single-threaded Python for the most part, so each worker gets one thread.
-OMP_NUM_THREADS=1 exec python -m pytest -q -n 2 --dist loadfile "$@"
+# Files go out in the order tests/conftest.py sorts them (long ones first).
+OMP_NUM_THREADS=1 exec python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

@@ -37,6 +37,20 @@ warnings.filterwarnings("ignore", category=SpyreFallbackWarning)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with whole-model (slow) tests first, most slow tests first; the
+    rest after, in collection order.  scripts/test.sh hands xdist files in
+    this order (``--no-loadscope-reorder``), so the long files start early and
+    the many short ones fill the two workers at the end (xdist's own order,
+    most tests first, left the few-but-long files for last, one worker running
+    them while the other idled)."""
+    slow: dict = {}
+    for item in items:
+        if item.get_closest_marker("slow"):
+            slow[item.path] = slow.get(item.path, 0) + 1
+    items.sort(key=lambda item: -slow.get(item.path, 0))  # stable
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (for settings read at import time)."""
     full_env = {**os.environ, **env}

@@ -254,3 +254,28 @@ def test_to_takes_a_dtype_by_name_as_ibms():
     assert torch.ones(2).to(dtype="torch.int32").dtype == torch.int32
     with pytest.raises(RuntimeError):
         torch.ones(2).to("torch.nosuchdtype")
+
+
+@pytest.mark.parametrize("name", ["zeros", "empty", "full", "ones"])
+def test_factories_compile_after_dynamos_rules_are_rebuilt(name):
+    """``torch.distributed.init_process_group`` (vLLM's engine start) clears
+    Dynamo's cached rules, which are then rebuilt from names that now resolve
+    to our ``device_layout=`` wrappers.  The original factories must keep
+    their in-graph rule: they did not, and every compiled factory call (an
+    RNN's initial state) became a graph break for the rest of the process."""
+    from torch._dynamo import trace_rules
+
+    trace_rules.clear_lru_cache()  # what init_process_group does
+    orig = getattr(torch._C._VariableFunctions, name)
+    assert getattr(torch, name) is not orig  # the patched wrapper
+    assert trace_rules.lookup(orig).__name__ == "TorchInGraphFunctionVariable"
+
+    args = ((2, 3), 5.0) if name == "full" else (2, 3)
+
+    def f(x):
+        return x + getattr(torch, name)(*args, dtype=x.dtype, device=x.device) * 0
+
+    torch._dynamo.reset()
+    x = torch.ones(2, 3).to("spyre")
+    out = torch.compile(f, backend="eager", fullgraph=True)(x)  # a graph break raises
+    torch.testing.assert_close(out.cpu(), torch.ones(2, 3))

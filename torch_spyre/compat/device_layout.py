@@ -158,6 +158,38 @@ def _install_device_layout() -> None:
     functools.update_wrapper(_ones, torch.ones)
     _ones.__signature__ = _signature(method=False)  # type: ignore[attr-defined]
     torch.ones = _ones  # type: ignore[assignment]
+    _keep_dynamo_rules()
+
+
+def _keep_dynamo_rules() -> None:
+    """Keep the original factories in Dynamo's in-graph function rules.
+
+    Dynamo finds its rule for a torch function by object, in a map it builds
+    from names (``"torch.zeros"``) and caches (``trace_rules.
+    get_torch_obj_rule_map``).  Built before the patch above, the map holds
+    the builtins and Dynamo inlines our wrappers down to them.  But
+    ``torch.distributed.init_process_group`` clears that cache (as vLLM's
+    engine does on start), and the rebuilt map resolves the names to our
+    wrappers: the builtins lose their rule, and every compiled call of
+    ``torch.zeros`` / ``empty`` / ``full`` / ``ones`` (an RNN's initial state)
+    became a graph break and ran eagerly, in every later ``torch.compile`` of
+    the process.  No public hook gives a C builtin its rule
+    (``allow_in_graph`` takes Python callables), so the builtins are added to
+    the rule names by a path that still reaches them after the patch
+    (``torch._C._VariableFunctions#zeros``).  Tested by
+    ``tests/runtime/test_compat.py::test_factories_compile_after_dynamos_rules_are_rebuilt``,
+    which fails if torch renames these tables."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import TorchInGraphFunctionVariable
+
+    rules = {
+        f"torch._C._VariableFunctions#{name}": TorchInGraphFunctionVariable
+        for name in _orig_factories
+    }
+    if rules.keys() <= trace_rules.manual_torch_name_rule_map.keys():
+        return
+    trace_rules.manual_torch_name_rule_map.update(rules)
+    trace_rules.get_torch_obj_rule_map.cache_clear()
 
 
 def _signature(method: bool) -> inspect.Signature:
