@@ -609,3 +609,27 @@ def test_a_flat_read_across_three_dims_reads_every_element(shape):
 
     g = torch.Generator().manual_seed(904073)
     _check(fn, torch.rand(*shape, generator=g) * 4 - 2)
+
+
+@pytest.mark.parametrize("write", ["index_put", "index_copy"])
+def test_a_row_write_into_a_dense_copy_of_a_strided_slice(write):
+    """Routing seed 246: ``x[:, :, 1:2:3].index_put((idx,), v)``.  The write
+    goes into a dense copy of the slice (``passes._index_put_in_place``),
+    which Inductor lays out with a stride of 17 on its size-1 dim; the
+    in-place ``spyre::index_put_`` asked for its FX value's stride order, and
+    Inductor's write-back of the re-laid copy into the written buffer made a
+    buffer that loads from itself (the compile aborted: ``KeyError: 'op2'``
+    in the scheduler).  The op's eager kernel writes any strides: the written
+    tensor is left unconstrained (``implicit_fallbacks``)."""
+
+    def fn(v0, v2, v3):
+        v1 = v0[:, :, 1:2:3]
+        if write == "index_put":
+            return v1.index_put((v2,), v3, accumulate=False)
+        return v1.index_copy(0, v2, v3) * 2
+
+    g = torch.Generator().manual_seed(246)
+    v0 = torch.rand(65, 17, 2, generator=g) * 4 - 2
+    v2 = torch.rand(65, generator=g).argsort(dim=0)[:3]
+    v3 = torch.rand(1, 17, 3, generator=g) * 4 - 2
+    _check(fn, v0, v2, lambda d: v3.to(d).transpose(0, 2))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._inductor.utils import fresh_cache
 
 from torch_spyre.tools.fuzz import cli
-from torch_spyre.tools.fuzz.generator import CI, generate, merge
+from torch_spyre.tools.fuzz.generator import CI, ROUTING, ROUTING_OPS, generate, merge
 from torch_spyre.tools.fuzz.graph import Graph, Node
 from torch_spyre.tools.fuzz.minimiser import minimise, write_case
 from torch_spyre.tools.fuzz.oracle import build, reference
@@ -52,11 +52,44 @@ def test_ci_seed_set_passes():
     print(f"\nfuzz CI seed set: {CI_GRAPHS} graphs, {CI_BATCH} per compile, {elapsed:.0f} s")
 
 
-def test_generated_graphs_are_valid_on_the_cpu():
+#: the routing sample: the first graphs of the whole grammar that use one of
+#: its later ops (top-k and sort, attention, row writes; ``ops/routing.py``)
+ROUTING_GRAPHS = 60
+
+
+def _routing_seeds(n: int) -> list[int]:
+    seeds, s = [], 0
+    while len(seeds) < n:
+        if any(node.op in ROUTING_OPS for node in generate(s, ROUTING).nodes):
+            seeds.append(s)
+        s += 1
+    return seeds
+
+
+def test_routing_sample_passes():
+    """Graphs with a router's top-k, attention with grouped heads, causal or
+    masked, and a KV cache's row writes, each on the CPU, eagerly and compiled
+    on spyre: every output within the oracle's tolerance (or equal, for the
+    indices a top-k or sort returns)."""
+    quiet()
+    seeds = _routing_seeds(ROUTING_GRAPHS)
+    outcomes = []
+    with fresh_cache():
+        for first in range(0, len(seeds), CI_BATCH):
+            batch = seeds[first : first + CI_BATCH]
+            results, _ = check_many([generate(s, ROUTING) for s in batch], seed=batch[0])
+            outcomes += list(zip(batch, results))
+    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
+    assert not failed, "\n".join(failed)
+    assert Counter(r.status for _, r in outcomes)[PASS] == ROUTING_GRAPHS
+
+
+@pytest.mark.parametrize("config", ["ci", "routing"])
+def test_generated_graphs_are_valid_on_the_cpu(config):
     """Every graph type-checks, and its inferred shapes, dtypes and value
     ranges hold when it runs (so a failure on spyre is the backend's)."""
-    for seed in range(200):
-        g = generate(seed, CI)
+    for seed in range(200 if config == "ci" else 400):
+        g = generate(seed, cli.CONFIGS[config])
         fn, make_inputs, _ = build(g)
         outs = fn(*make_inputs("cpu"))
         assert len(outs) == len(g.outputs)
@@ -81,6 +114,22 @@ def test_graphs_cover_the_grammar():
         "rotate_half", "pad", "misc", "index", "matmul", "conv", "cast", "input",
     }  # fmt: skip
     assert set(layouts) == {"contiguous", "transposed", "strided", "offset", "expanded"}
+    assert not set(ops) & set(ROUTING_OPS)  # the CI seeds keep their graphs
+
+
+def test_the_routing_grammar_covers_its_kinds():
+    kinds = Counter()
+    for seed in range(1000):
+        for n in generate(seed, ROUTING).nodes:
+            if n.op in ROUTING_OPS:
+                kinds[n.op, n.attrs.get("kind") or n.attrs.get("mode")] += 1
+    assert set(kinds) == {
+        ("select", "topk"), ("select", "topk_indices"), ("select", "sort"),
+        ("select", "argsort"), ("attention", "none"), ("attention", "causal"),
+        ("attention", "mask"), ("write", "index_copy"), ("write", "index_put"),
+        ("write", "index_put_acc"), ("route", "gather"), ("route", "scatter_add"),
+        ("route", "embedding"), ("route", "index_select"), ("route", "index_add"),
+    }, kinds  # fmt: skip
 
 
 def _graph(ops: list[tuple[str, tuple, dict]], shape=(4, 70)) -> Graph:

@@ -16,8 +16,9 @@ process, or an earlier process, had compiled before.
 No public hook says how Inductor treats an op without a lowering, so the
 spyre graph pass calls ``prepare`` before lowering: each custom op in the
 graph gets its fallback as ``GraphLowering`` would make it (the layout
-constraint of its tags), and custom ops stay out of
-``needs_realized_inputs``, so every graph lowers as the first one did.
+constraint of its tags, or ours: ``_any_layout_for_the_written_tensor``), and
+custom ops stay out of ``needs_realized_inputs``, so every graph lowers as the
+first one did.
 Built-in ATen ops are left to Inductor (their fallbacks are made at import,
 or for a backward graph with another constraint).
 ``tests/compiler/test_implicit_fallbacks.py`` fails if Inductor changes any
@@ -47,18 +48,48 @@ def _custom_ops(gm: torch.fx.GraphModule) -> set[torch._ops.OpOverload]:
     return ops
 
 
+def _any_layout_for_the_written_tensor(fx_node, *args, **kwargs):
+    """``spyre::index_put_``'s layout constraint: Inductor's default for a
+    custom op (every input in the stride order of its FX value), except the
+    tensor the op writes in place, which keeps the layout Inductor gave it.
+
+    The op's eager kernel writes any strided tensor.  Constrained, a written
+    buffer whose strides differ from its FX value's only on a size-1 dim (a
+    dense copy of a strided slice: [17, 1, 17] against [17, 1, 1]) was copied
+    to the FX strides, and Inductor's write-back of that copy into the
+    original (``GraphLowering.propagate_mutation``) made a buffer that loads
+    from itself: the compile aborted (fuzzer routing seed 246).  The other
+    inputs stay constrained: with no constraint at all (the
+    ``flexible_layout`` tag) the cache writes of Granite's prefill lowered
+    into other programs (236.9 -> 239.1 ms)."""
+    import types
+
+    from torch._inductor.lowering import constrain_to_fx_strides
+
+    written = types.SimpleNamespace(
+        args=(None, *fx_node.args[1:]),
+        kwargs={k: None if k == "x" else v for k, v in fx_node.kwargs.items()},
+    )
+    return constrain_to_fx_strides(written, *args, **kwargs)
+
+
+def _constraint(op: torch._ops.OpOverload):
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    if op is torch.ops.spyre.index_put_.default:
+        return _any_layout_for_the_written_tensor
+    return lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+
+
 def prepare(gm: torch.fx.GraphModule) -> None:
     """Make the fallback of every custom op in ``gm`` that has no lowering yet,
     and keep custom ops out of Inductor's ``needs_realized_inputs``."""
     from torch._inductor import lowering
-    from torch._library.utils import get_layout_constraint_tag
 
     for op in _custom_ops(gm):
         if op not in lowering.lowerings:
-            tag = get_layout_constraint_tag(op, with_default=True)
-            lowering.make_fallback(
-                op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False
-            )
+            lowering.make_fallback(op, layout_constraint=_constraint(op), warn=False)
         lowering.needs_realized_inputs.discard(op)
 
 

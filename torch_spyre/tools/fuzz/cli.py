@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from torch_spyre.tools.fuzz.generator import CI, LONG, generate
+from torch_spyre.tools.fuzz.generator import CI, LONG, ROUTING, generate
 
-CONFIGS = {"ci": CI, "long": LONG}
+CONFIGS = {"ci": CI, "long": LONG, "routing": ROUTING}
 DEFAULT_CASES = Path("tests/compiler/fuzz_cases")
 
 

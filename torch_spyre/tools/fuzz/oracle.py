@@ -70,6 +70,12 @@ def _rounds(n) -> bool:
         return n.attrs["kind"] == "cumsum"
     if n.op == "index":
         return n.attrs["kind"] in ("scatter_add", "index_add")
+    if n.op == "select":
+        return False
+    if n.op == "write":
+        return n.attrs["kind"] == "index_put_acc"
+    if n.op == "route":
+        return n.attrs["kind"] in ("scatter_add", "index_add")
     if n.op == "conv":
         return n.attrs["kind"] != "maxpool"
     if n.op == "cast":

@@ -29,6 +29,7 @@ from torch_spyre.tools.fuzz.ops import views  # noqa: F401
 from torch_spyre.tools.fuzz.ops import indexing  # noqa: F401
 from torch_spyre.tools.fuzz.ops import contractions  # noqa: F401
 from torch_spyre.tools.fuzz.ops import casts  # noqa: F401
+from torch_spyre.tools.fuzz.ops import routing  # noqa: F401
 # isort: on
 
 __all__ = ["MAX_BOUND", "OPS", "Op"]
