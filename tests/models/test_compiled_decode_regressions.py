@@ -91,10 +91,14 @@ REFUSE = {
 #: iota among its origins.  A guessed node must now read every graph input
 #: the buffer reads (``eager_nodes._reads_covered``); these buffers have
 #: none, so they run on the host from their IR (4 nodes), and the tokens match
-#: host nodes over both graphs, 4 each: the prefill writes the static cache as a
+#: host nodes over both graphs, 2 each: the prefill writes the static cache as a
 #: graph input too, as the decode step does (it is allocated before the prefill,
-#: models/layer_regions.allocate; before, the prefill graph created it)
-HOST_NODES = {"cohere": 8, "helium": 8}
+#: models/layer_regions.allocate; before, the prefill graph created it).  Each
+#: graph had 4 while Inductor also re-laid the written cache to its FX strides
+#: (a copy, written back after the write, and its own position buffer); the
+#: tensor ``spyre::index_put_`` writes is no longer constrained
+#: (``compiler/implicit_fallbacks``)
+HOST_NODES = {"cohere": 4, "helium": 4}
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,15 +43,17 @@ def run_tp(model_dir: str, tp: int, eager: bool) -> tuple[list[list[int]], str]:
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
     }
-    r = subprocess.run(
-        [sys.executable, str(HERE / "tp_worker.py"), model_dir, str(tp), "1" if eager else "0",
-         json.dumps(_prompts())],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    log = r.stdout + r.stderr
-    m = re.search(r"^RESULT (.*)$", r.stdout, re.M)
-    assert r.returncode == 0 and m, log[-5000:]
-    return json.loads(m.group(1)), log
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        r = subprocess.run(
+            [sys.executable, str(HERE / "tp_worker.py"), model_dir, str(tp),
+             "1" if eager else "0", json.dumps(_prompts()), out],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        log = r.stdout + r.stderr
+        assert r.returncode == 0 and os.path.exists(out), log[-5000:]
+        with open(out) as f:
+            return json.load(f), log
 
 
 def _check(log: str, tp: int) -> None:
