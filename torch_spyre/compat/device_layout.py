@@ -182,13 +182,10 @@ def _keep_dynamo_rules() -> None:
     from torch._dynamo import trace_rules
     from torch._dynamo.variables import TorchInGraphFunctionVariable
 
-    rules = {
-        f"torch._C._VariableFunctions#{name}": TorchInGraphFunctionVariable
+    trace_rules.manual_torch_name_rule_map.update(
+        (f"torch._C._VariableFunctions#{name}", TorchInGraphFunctionVariable)
         for name in _orig_factories
-    }
-    if rules.keys() <= trace_rules.manual_torch_name_rule_map.keys():
-        return
-    trace_rules.manual_torch_name_rule_map.update(rules)
+    )
     trace_rules.get_torch_obj_rule_map.cache_clear()
 
 

@@ -48,10 +48,11 @@ def _custom_ops(gm: torch.fx.GraphModule) -> set[torch._ops.OpOverload]:
     return ops
 
 
-def _any_layout_for_the_written_tensor(fx_node, *args, **kwargs):
+def _any_layout_for_the_written_tensor(op: torch._ops.OpOverload):
     """``spyre::index_put_``'s layout constraint: Inductor's default for a
     custom op (every input in the stride order of its FX value), except the
-    tensor the op writes in place, which keeps the layout Inductor gave it.
+    tensors the op writes in place (its schema's written arguments), which keep
+    the layout Inductor gave them.
 
     The op's eager kernel writes any strided tensor.  Constrained, a written
     buffer whose strides differ from its FX value's only on a size-1 dim (a
@@ -66,11 +67,19 @@ def _any_layout_for_the_written_tensor(fx_node, *args, **kwargs):
 
     from torch._inductor.lowering import constrain_to_fx_strides
 
-    written = types.SimpleNamespace(
-        args=(None, *fx_node.args[1:]),
-        kwargs={k: None if k == "x" else v for k, v in fx_node.kwargs.items()},
-    )
-    return constrain_to_fx_strides(written, *args, **kwargs)
+    args = op._schema.arguments
+    written = {i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write}
+    names = {args[i].name for i in written}
+
+    def constraint(fx_node, *a, **kw):
+        # the written inputs look like non-tensors to Inductor's constraint
+        unwritten = types.SimpleNamespace(
+            args=tuple(None if i in written else v for i, v in enumerate(fx_node.args)),
+            kwargs={k: None if k in names else v for k, v in fx_node.kwargs.items()},
+        )
+        return constrain_to_fx_strides(unwritten, *a, **kw)
+
+    return constraint
 
 
 def _constraint(op: torch._ops.OpOverload):
@@ -78,7 +87,7 @@ def _constraint(op: torch._ops.OpOverload):
     from torch._library.utils import get_layout_constraint_tag
 
     if op is torch.ops.spyre.index_put_.default:
-        return _any_layout_for_the_written_tensor
+        return _any_layout_for_the_written_tensor(op)
     return lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
 
 

@@ -215,11 +215,10 @@ def _sample_route(b):
         kind = b.rng.choice(["topk_indices", "topk_indices", "argsort"])
         k = b.rng.choice([1, 2, min(4, experts)]) if kind == "topk_indices" else experts
         attrs = {"kind": kind, "dim": -1, "k": k, "largest": True}
-        if b.rng.random() < 0.5:  # flattened, as a dispatch's 1-D token order
-            i = b.g.add(Node("select", (scores,), attrs))
+        flat = b.rng.random() < 0.5  # flattened, as a dispatch's 1-D token order
+        i = b.g.add(Node("select", (scores,), attrs))
+        if flat:
             i = b.g.add(Node("view", (i,), {"kind": "flatten", "dims": [0, 1]}))
-        else:
-            i = b.g.add(Node("select", (scores,), attrs))
     ishape = b.g.nodes[i].shape
     rank = len(ishape)
     high = int(b.g.nodes[i].hi) + 1 + b.rng.choice([0, 0, 3])
