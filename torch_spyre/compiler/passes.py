@@ -51,7 +51,7 @@ from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
-from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_residual
+from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_norm, fuse_swiglu_residual
 from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
 from torch_spyre.compiler.storage_views import view_of_computed
 
@@ -679,6 +679,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         changed = _rewrite_stick_cats(gm) or changed
         changed = fuse_swiglu(gm) or changed
         changed = fuse_swiglu_residual(gm) or changed
+        changed = fuse_swiglu_norm(gm) or changed
         changed = _fuse_attention_transpose(gm) or changed
         changed = _index_put_in_place(gm) or changed
         for node in list(gm.graph.nodes):

@@ -207,6 +207,9 @@ for _name, _fn, _cls, _n in [
     register_op(_name, _fn, _cls, _n)
 
 register_reduction("any", lambda x, d: x.bool().any(d), 0.0)
+# an RMS norm's sum of squares (the fused MLP's norm prologue,
+# kernels/swiglu.py): per input stick a square, then the accumulation
+register_reduction("sumsq", lambda x, d: x.square().sum(d), 0.0, extra_cost=("simple",))
 register_reduction("prod", lambda x, d: x.prod(d), 1.0)
 # online softmax statistics of a streamed row (kernels/rewrites.py,
 # ``_online_softmax``): a running max m and sum s, rescaled by

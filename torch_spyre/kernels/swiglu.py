@@ -19,6 +19,7 @@ from torch_spyre.ir import (
     Operand,
     Program,
     ProgramError,
+    Reduce,
     RingAllReduce,
     Store,
     Vector,
@@ -45,6 +46,7 @@ def swiglu_mlp(
     name: str | None = None,
     tb: int = 1,
     merged: bool = False,
+    norm_eps: float | None = None,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -80,6 +82,14 @@ def swiglu_mlp(
     ``[2n, k]`` operand ``wgu`` (vLLM's merged ``gate_up_proj``), read in place
     through row offsets.
 
+    ``norm_eps=eps`` (with ``residual``): the decoder layer's RMS norm before
+    the MLP is the program's prologue, ``out = x + s * mlp(rms_norm(x) * nw)``
+    with ``rms_norm(x) = (x * rsqrt(mean(x^2) + eps))`` rounded to the dtype
+    (transformers' ``LlamaRMSNorm``), operand ``nw`` [k]: the residual
+    stream ``x`` is read instead of the normed activation, normed in LX (its
+    sum of squares all-reduced over the cores splitting k), and read again
+    as the residual; the normed activation never reaches device memory.
+
     ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
     residual add of a decoder layer as the epilogue of the down projection
     (operand ``res``, shaped like ``out``, loaded per row block next to the
@@ -96,6 +106,8 @@ def swiglu_mlp(
     tm, tn, tk = tiles if tiles is not None else (em, min(en, 64), min(ek, 512))
     acc = torch.float32 if dtype.is_floating_point else torch.int32
     down = e is not None
+    if norm_eps is not None and (residual is None or e != k):
+        raise ProgramError("swiglu_mlp: a norm prologue needs the residual add and E == K")
     if pk > 1 and e != k:
         # the k band of the output exists only when the output columns are k
         raise ProgramError("swiglu_mlp: a k split needs the down projection with E == K")
@@ -118,6 +130,7 @@ def swiglu_mlp(
     wg_at, wu_at = ((0, 0), (n, 0)) if merged else ((), ())
     steps: list = [
         Load("xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
+        *_norm_prologue(norm_eps, k, pk > 1, l2),
         Load("wgt", wg_op, ("n", "k"), l4, multicast=w_mc, offsets=wg_at),
         Load("wut", wu_op, ("n", "k"), l4, multicast=w_mc, offsets=wu_at),
         Matmul("g", "xt", "wgt", l4),
@@ -176,7 +189,8 @@ def swiglu_mlp(
         steps += [
             # the cores splitting the hidden dim all add the same rows: read
             # once per group and shared over the ring, like the activation
-            Load(rt, "res", (*rows, ecol), l2, multicast=pn > 1),
+            # a norm prologue: the residual is the un-normed activation
+            Load(rt, "res" if norm_eps is None else "x", (*rows, ecol), l2, multicast=pn > 1),
             Vector("mul_scalar", "y", ("y",), (float(residual),), l2),
             Vector("add", "y", ("y", rt), (), l2),
             store,
@@ -200,7 +214,10 @@ def swiglu_mlp(
     ]
     if down:
         operands.append(Operand("wd", SpyreTensorLayout.default((e, n), dtype), "input"))
-    if residual is not None:
+    if norm_eps is not None:
+        operands.append(Operand("nw", SpyreTensorLayout.default((k,), dtype), "input"))
+        buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
+    elif residual is not None:
         operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
     operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
     if not batched:
@@ -217,13 +234,32 @@ def swiglu_mlp(
         name=name
         or f"swiglu_mlp_{b * m}x{k}x{n}"
         + (f"x{e}" if down else "")
-        + ("_res" if residual is not None else ""),
+        + ("_res" if residual is not None else "")
+        + ("_norm" if norm_eps is not None else ""),
         dims=tuple(dims),
         operands=tuple(operands),
         buffers=tuple(buffers),
         steps=tuple(steps),
         loop_order=order,
     )
+
+
+def _norm_prologue(eps: float | None, k: int, k_split: bool, loops: tuple[str, ...]) -> list:
+    """The RMS norm of the activation tile ``xt`` in place: its rows' sum of
+    squares (all-reduced when k is split over cores), ``rsqrt(mean + eps)``,
+    the product rounded to the dtype, then times the weight ``nw``."""
+    if eps is None:
+        return []
+    return [
+        Reduce("sumsq", "rs", "xt", "k", loops),
+        *([RingAllReduce("rs", "k", "sum", loops)] if k_split else []),
+        Vector("mul_scalar", "rs", ("rs",), (1.0 / k,), loops),
+        Vector("add_scalar", "rs", ("rs",), (float(eps),), loops),
+        Vector("rsqrt", "rs", ("rs",), (), loops),
+        Vector("mul", "xt", ("xt", "rs"), (), loops),
+        Load("nwt", "nw", ("k",), loops),
+        Vector("mul", "xt", ("nwt", "xt"), (), loops),
+    ]
 
 
 @persisted("swiglu")
@@ -240,6 +276,7 @@ def best_swiglu_mlp(
     config: HardwareConfig | None = None,
     name: str | None = None,
     merged: bool = False,
+    norm_eps: float | None = None,
 ) -> Program:
     """The fused SwiGLU MLP program the timing model finds fastest: core
     splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)
@@ -283,7 +320,7 @@ def best_swiglu_mlp(
         return swiglu_mlp(
             b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
             batched=batched, residual=residual, config=cfg, name=name, tb=tb,
-            merged=merged,
+            merged=merged, norm_eps=norm_eps,
         )  # fmt: skip
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))

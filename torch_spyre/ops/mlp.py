@@ -10,6 +10,11 @@ eager op is callable directly.
 ``spyre::swiglu_mlp_add(x, wg, wu, wd, res, scale)`` = ``res + scale *
 swiglu_mlp(x, wg, wu, wd)``: a decoder layer's residual add as the epilogue
 of the same program (the pass routes ``res + mlp`` and ``res + mlp * c``).
+
+``spyre::swiglu_mlp_norm_add(x, nw, eps, wg, wu, wd, scale)`` = ``x + scale *
+swiglu_mlp(rms_norm(x, nw, eps), ...)``: the RMS norm before the MLP as the
+program's prologue too (the pass routes a ``swiglu_mlp_add`` whose input is
+transformers' ``LlamaRMSNorm`` of its residual).
 """
 
 from __future__ import annotations
@@ -62,7 +67,45 @@ def _(x, wg, wu, wd, res, scale):
     return x.new_empty((*x.shape[:-1], wd.shape[0]))
 
 
-def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``: ``weight * (x * rsqrt(mean(x^2) + eps))``,
+    the statistics in fp32 and the normed rows rounded to ``x``'s dtype."""
+    f = x.to(torch.float32)
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * f.to(x.dtype)
+
+
+@torch.library.custom_op("spyre::swiglu_mlp_norm_add", mutates_args=())
+def swiglu_mlp_norm_add(
+    x: torch.Tensor,
+    nw: torch.Tensor,
+    eps: float,
+    wg: torch.Tensor,
+    wu: torch.Tensor,
+    wd: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """x + scale * swiglu_mlp(rms_norm(x, nw, eps), wg, wu, wd): a decoder
+    layer's second half (norm, MLP, residual add) from its residual stream
+    ``x``; the norm is the program's prologue, in LX."""
+    if (
+        x.device.type == "spyre"
+        and nw.shape == (x.shape[-1],)
+        and nw.dtype == x.dtype
+        and wd.shape[0] == x.shape[-1]
+    ):
+        out = _device_swiglu(x, wg, wu, wd, x, float(scale), norm=(nw, float(eps)))
+        if out is not None:
+            return out
+    return x + swiglu_mlp(rms_norm(x, nw, eps), wg, wu, wd) * scale
+
+
+@swiglu_mlp_norm_add.register_fake
+def _(x, nw, eps, wg, wu, wd, scale):
+    return x.new_empty((*x.shape[:-1], wd.shape[0]))
+
+
+def _device_swiglu(x, wg, wu, wd, res=None, scale=None, norm=None):
     from torch_spyre import kernels
 
     if x.dtype not in _FLOATS or not (x.dtype == wg.dtype == wu.dtype == wd.dtype):
@@ -81,13 +124,15 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
         xx = operands.whole(x.reshape(m, k))
     dev = x.device
     merged = wgu is not None
-    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched, scale, merged)
+    eps = None if norm is None else norm[1]
+    key = ("swiglu_mlp", b, m, k, n, e, x.dtype, batched, scale, merged, eps)
 
     def build() -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
         p = kernels.best_swiglu_mlp(
-            b, m, k, n, e, x.dtype, batched=batched, residual=scale, config=cfg, merged=merged
-        )
+            b, m, k, n, e, x.dtype, batched=batched, residual=scale, config=cfg,
+            merged=merged, norm_eps=eps,
+        )  # fmt: skip
         return launch.Kernel(p)
 
     try:
@@ -110,11 +155,14 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None):
         "wd": operands.device_memory(operands.whole(wd)),
         "out": operands.device_memory(out),
     }
-    if res is not None:
+    if norm is not None:  # the residual is x itself, read again
+        bufs["nw"] = operands.device_memory(operands.whole(norm[0]))
+    elif res is not None:
         rr = res if batched else res.reshape(m, e)
         bufs["res"] = operands.device_memory(operands.whole(rr))
     kern.launch_memory(dev.index or 0, bufs)
-    dispatch_stats.record("kernel", "swiglu_mlp" if res is None else "swiglu_mlp_add")
+    what = "swiglu_mlp" if res is None else "swiglu_mlp_add"
+    dispatch_stats.record("kernel", what if norm is None else "swiglu_mlp_norm_add")
     return out
 
 
