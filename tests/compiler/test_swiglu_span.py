@@ -69,6 +69,43 @@ def test_k_split_and_batch_tile_compute_the_mlp(b, m, split, tb, residual):
     torch.testing.assert_close(out_op.layout.to_host(bufs["out"]), want.to(H), **tolerances(H))
 
 
+@pytest.mark.parametrize(
+    "b,m,split,tb,keep",
+    [(1, 3, (1, 1, 2, 4), 1, False), (1, 3, (1, 1, 2, 4), 1, True), (2, 5, (1, 2, 2, 2), 2, True),
+     (2, 4, (2, 2, 1, 1), 1, False)],
+    ids=str,
+)  # fmt: skip
+def test_norm_prologue_plans_compute_the_normed_mlp(b, m, split, tb, keep):
+    """Values of the RMS-norm prologue (``norm_eps``) under every plan shape:
+    k over cores (the sum of squares all-reduced), the hidden dim split
+    (each core norms the shared rows), a batch tile, and the residual
+    stream kept in LX (``keep_stream``) or read again."""
+    from torch_spyre.ops.mlp import rms_norm
+
+    k, n = 256, 384
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, m, k, generator=g).to(H)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(H)
+    wg = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(H)
+    wu = (torch.randn(n, k, generator=g) / math.sqrt(k)).to(H)
+    wd = (torch.randn(k, n, generator=g) / math.sqrt(n)).to(H)
+    p = kernels.swiglu_mlp(
+        b, m, k, n, k, H, split=split, tiles=(m, 64, 64), tb=tb, residual=0.5,
+        norm_eps=1e-5, keep_stream=keep,
+    )  # fmt: skip
+    p.validate()
+    loads_of_x = [s for s in p.steps if getattr(s, "operand", None) == "x"]
+    assert len(loads_of_x) == (1 if keep else 2)
+    host = {"x": x, "nw": nw, "wg": wg, "wu": wu, "wd": wd}
+    bufs = {o.name: o.layout.to_device(host[o.name]) for o in p.operands if o.name in host}
+    out_op = p.operand("out")
+    bufs["out"] = torch.zeros(out_op.layout.device_size, dtype=out_op.layout.dtype)
+    execute(p, bufs)
+    normed = rms_norm(x, nw, 1e-5)  # the CPU's fp16 rounding of the normed rows
+    want = x.double() + 0.5 * _swiglu(*(t.double() for t in (normed, wg, wu, wd)))
+    torch.testing.assert_close(out_op.layout.to_host(bufs["out"]), want.to(H), **tolerances(H))
+
+
 def test_k_split_needs_the_output_columns_to_be_k():
     with pytest.raises(ProgramError, match="E == K"):
         kernels.swiglu_mlp(1, 2, 256, 384, 128, H, split=(1, 1, 1, 2))

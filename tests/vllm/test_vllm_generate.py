@@ -99,12 +99,14 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 # attention (the opaque op in the graph: one KV-cache write, one
 # paged-attention program per group of requests; attention.py), the MLP (the
 # graph's merged gate/up + SiluAndMul + down projection + residual matched as
-# one spyre::swiglu_mlp_add program, compiler/mlp_fusion.py), the gather of the
+# one spyre::swiglu_mlp_add program, or spyre::swiglu_mlp_norm_add with the
+# RMS norm before it, compiler/mlp_fusion.py), the gather of the
 # sampled rows and their zero padding for the compiled LM head.
 OPAQUE_KERNELS = {
     "paged_attention",
     "kv_cache_write",
     "swiglu_mlp_add",
+    "swiglu_mlp_norm_add",
     *("index_copy", "index_select", "index", "cat", "zero_", "fill_", "copy_", "_to_copy"),
 }
 

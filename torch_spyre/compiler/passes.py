@@ -53,6 +53,7 @@ from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
 from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_norm, fuse_swiglu_residual
 from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
+from torch_spyre.compiler.projection_fusion import fuse_norm_projections
 from torch_spyre.compiler.storage_views import view_of_computed
 
 #: ops whose result is an affine function of iotas and constants when their inputs are
@@ -680,6 +681,7 @@ class SpyreGraphPass(CustomGraphModulePass):
         changed = fuse_swiglu(gm) or changed
         changed = fuse_swiglu_residual(gm) or changed
         changed = fuse_swiglu_norm(gm) or changed
+        changed = fuse_norm_projections(gm) or changed
         changed = _fuse_attention_transpose(gm) or changed
         changed = _index_put_in_place(gm) or changed
         for node in list(gm.graph.nodes):

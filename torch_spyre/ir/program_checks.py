@@ -110,8 +110,10 @@ class ProgramChecks:
                 if len(s.inputs) != od.num_inputs:
                     raise ProgramError(f"{at}: op {s.op!r} takes {od.num_inputs} buffer inputs")
                 union = set().union(*(self.buffer(x).dims for x in s.inputs))
+                if s.op == "rename":
+                    self._check_rename(s, at)
                 # an op without buffer inputs (a fill) writes the whole output buffer
-                if od.num_inputs and union != set(self.buffer(s.out).dims):
+                elif od.num_inputs and union != set(self.buffer(s.out).dims):
                     raise ProgramError(
                         f"{at}: output {s.out!r} dims {self.buffer(s.out).dims} must be the "
                         f"union of the input dims {sorted(union)}"
@@ -187,6 +189,23 @@ class ProgramChecks:
                 raise ProgramError(
                     f"{at}: scan init {s.inputs[2]!r} must have dims of {s.out!r} without {s.dim!r}"
                 )
+
+    def _check_rename(self, s: Vector, at: str) -> None:
+        """A ``rename``: the output's dims are the input's with one dim
+        replaced by another of the same size, neither split over cores."""
+        src, out = self.buffer(s.inputs[0]), self.buffer(s.out)
+        old, new = set(src.dims) - set(out.dims), set(out.dims) - set(src.dims)
+        if len(old) != 1 or len(new) != 1 or src.dtype != out.dtype:
+            raise ProgramError(
+                f"{at}: rename {s.inputs[0]!r} {src.dims} -> {s.out!r} {out.dims} must swap one "
+                "dim for another, dtype kept"
+            )
+        a, b = self.dim(old.pop()), self.dim(new.pop())
+        if a.size != b.size or a.cores > 1 or b.cores > 1:
+            raise ProgramError(
+                f"{at}: rename of dim {a.name!r} to {b.name!r}: sizes {a.size} and {b.size}, "
+                "neither split over cores"
+            )
 
     def _check_transfer(self, s: Load | Store, at: str, operand_names: set[str]) -> None:
         if s.operand not in operand_names:

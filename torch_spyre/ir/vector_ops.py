@@ -195,6 +195,11 @@ for _name, _fn, _cls, _n in [
     ("isnan", torch.isnan, _S, 1),
     # the first input repeated along the dims of the second (which only gives shape)
     ("bcast", lambda a, b: torch.broadcast_tensors(a, b)[0], _S, 2),
+    # a tile already in LX read under another dim name of the same size (a
+    # matmul's operand, whole along its k, read again by the epilogue along
+    # an output dim: RoPE's q @ rotation, then q * cos; kernels/plan.py):
+    # the input's one dim the output lacks is the output's one dim it lacks
+    ("rename", lambda x: x, _S, 1),
     # rounding (Llama-4 / Ministral attention temperature: floor(pos / n))
     ("floor", torch.floor, _S, 1),
     ("ceil", torch.ceil, _S, 1),

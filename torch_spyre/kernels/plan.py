@@ -462,6 +462,7 @@ def _fit(
                 st.append(replace(s, loops=lp[: last + 1], multicast=multicast and shared > 1))
             else:
                 st.append(replace(s, loops=lp))
+        st = _reuse_operand_tiles(st, mm_steps, buffers, split, tiles, sizes, reduced)
         st = _hoist_short_loads(st)
         return Program(
             name=name,
@@ -526,6 +527,46 @@ def _fit(
                 prog = _balance_row_tiles(prog, build, tiles, loops, reduced, stick_of, cfg, budget)
     prog.validate(cfg)
     return prog
+
+
+def _reuse_operand_tiles(steps, mm_steps, buffers, split, tiles, sizes, reduced) -> list:
+    """An epilogue's load of the tile the matmul read as its operand, along an
+    output dim where the matmul read the k dim (RoPE: ``t0 <- q[.., d2]`` for
+    ``q @ rotation``, then ``t3 <- q[.., d3]`` for ``q * cos``), reads the
+    operand's tile already in LX instead (a ``rename`` of that dim): when
+    both dims are the same size, each walked in one tile by every core
+    (the k loop then turns once per output tile, so the tile in LX is the
+    whole row the epilogue needs) and nothing writes the tile in between."""
+    out = list(steps)
+    whole = {d for d in sizes if d not in split and tiles.get(d, sizes[d]) >= sizes[d]}
+    for j, s in enumerate(out):
+        if not isinstance(s, Load) or j in mm_steps or s.rows is not None:
+            continue
+        for i in sorted(mm_steps):
+            t = out[i]
+            if not (
+                i < j
+                and isinstance(t, Load)
+                and t.operand == s.operand
+                and t.offsets == s.offsets
+                and t.rows is None
+                and len(t.index) == len(s.index)
+                and buffers[t.buffer].dtype == buffers[s.buffer].dtype
+            ):
+                continue
+            differ = [(a, b) for a, b in zip(t.index, s.index) if a != b]
+            if len(differ) != 1 or None in differ[0]:
+                continue
+            a, b = differ[0]
+            if not (a in reduced and b not in reduced and sizes[a] == sizes[b] and {a, b} <= whole):
+                continue
+            if set(buffers[t.buffer].dims) - {a} != set(buffers[s.buffer].dims) - {b}:
+                continue
+            if any(step_writes(x) == t.buffer for x in out[i + 1 : j]):
+                continue  # its LX was handed to another value in between
+            out[j] = Vector("rename", s.buffer, (t.buffer,), (), s.loops)
+            break
+    return out
 
 
 def _hoist_short_loads(steps: list) -> list:

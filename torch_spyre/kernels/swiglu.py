@@ -5,9 +5,6 @@ the grouped experts of a mixture of experts (``kernels/moe.py``)."""
 
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch
 
 from torch_spyre.hardware import HardwareConfig
@@ -25,7 +22,7 @@ from torch_spyre.ir import (
     Vector,
 )
 from torch_spyre.kernels.search import persisted
-from torch_spyre.kernels.splits import stick_splits
+from torch_spyre.kernels.splits import row_block_extents, row_block_plans
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
 
@@ -47,6 +44,7 @@ def swiglu_mlp(
     tb: int = 1,
     merged: bool = False,
     norm_eps: float | None = None,
+    keep_stream: bool = False,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -89,6 +87,9 @@ def swiglu_mlp(
     stream ``x`` is read instead of the normed activation, normed in LX (its
     sum of squares all-reduced over the cores splitting k), and read again
     as the residual; the normed activation never reaches device memory.
+    ``keep_stream``: the residual stream's tile stays in LX (buffer ``st``)
+    for the residual add instead of being read again (one transfer fewer
+    on every core's critical path, a row block of LX more).
 
     ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
     residual add of a decoder layer as the epilogue of the down projection
@@ -97,13 +98,9 @@ def swiglu_mlp(
     """
     cfg = config or HardwareConfig()
     pb, pm, pn, pk = (*split, 1)[:4] if split is not None else (1, min(m, cfg.cores), 1, 1)
-    se = stick_elems(dtype)
-    en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
-    pn = ceil_div(n, en)
-    ek = ceil_div(ceil_div(k, se), pk) * se if pk > 1 else k
-    pk = ceil_div(k, ek)
-    em = ceil_div(m, pm)
-    tm, tn, tk = tiles if tiles is not None else (em, min(en, 64), min(ek, 512))
+    pn, pk, en, ek, em, (tm, tn, tk) = row_block_extents(
+        m, n, k, pm, pn, pk, stick_elems(dtype), tiles
+    )
     acc = torch.float32 if dtype.is_floating_point else torch.int32
     down = e is not None
     if norm_eps is not None and (residual is None or e != k):
@@ -128,9 +125,10 @@ def swiglu_mlp(
     # merged: the up rows start n rows into the one gate/up operand
     wg_op, wu_op = ("wgu", "wgu") if merged else ("wg", "wu")
     wg_at, wu_at = ((0, 0), (n, 0)) if merged else ((), ())
+    keep = keep_stream and norm_eps is not None and batched
     steps: list = [
-        Load("xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
-        *_norm_prologue(norm_eps, k, pk > 1, l2),
+        Load("st" if keep else "xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
+        *norm_prologue(norm_eps, k, pk > 1, l2, "st" if keep else "xt"),
         Load("wgt", wg_op, ("n", "k"), l4, multicast=w_mc, offsets=wg_at),
         Load("wut", wu_op, ("n", "k"), l4, multicast=w_mc, offsets=wu_at),
         Matmul("g", "xt", "wgt", l4),
@@ -184,13 +182,21 @@ def swiglu_mlp(
         ecol = "k" if e == k else "e"
         # E == K: the activation tile is dead once the hidden blocks are
         # done, and the residual tile has its dims: load it into that LX
-        rt = "xt" if ecol == "k" and batched else "rt"
+        rt = "st" if keep else "xt" if ecol == "k" and batched else "rt"
         store = steps.pop()
         steps += [
             # the cores splitting the hidden dim all add the same rows: read
             # once per group and shared over the ring, like the activation
-            # a norm prologue: the residual is the un-normed activation
-            Load(rt, "res" if norm_eps is None else "x", (*rows, ecol), l2, multicast=pn > 1),
+            # (a norm prologue: the residual is the un-normed activation)
+            *(
+                []
+                if keep
+                else [
+                    Load(
+                        rt, "res" if norm_eps is None else "x", (*rows, ecol), l2, multicast=pn > 1
+                    )
+                ]  # fmt: skip
+            ),
             Vector("mul_scalar", "y", ("y",), (float(residual),), l2),
             Vector("add", "y", ("y", rt), (), l2),
             store,
@@ -217,6 +223,8 @@ def swiglu_mlp(
     if norm_eps is not None:
         operands.append(Operand("nw", SpyreTensorLayout.default((k,), dtype), "input"))
         buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
+        if keep:
+            buffers.append(Buffer("st", xb, dtype, db and (tm < em or tb < ceil_div(b, pb))))
     elif residual is not None:
         operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
     operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
@@ -244,19 +252,22 @@ def swiglu_mlp(
     )
 
 
-def _norm_prologue(eps: float | None, k: int, k_split: bool, loops: tuple[str, ...]) -> list:
-    """The RMS norm of the activation tile ``xt`` in place: its rows' sum of
-    squares (all-reduced when k is split over cores), ``rsqrt(mean + eps)``,
-    the product rounded to the dtype, then times the weight ``nw``."""
+def norm_prologue(
+    eps: float | None, k: int, k_split: bool, loops: tuple[str, ...], src: str
+) -> list:
+    """The RMS norm of the tile ``src`` into the activation tile ``xt``: its
+    rows' sum of squares (all-reduced when k is split over cores),
+    ``rsqrt(mean + eps)``, the product rounded to the dtype, then times the
+    weight ``nw``."""
     if eps is None:
         return []
     return [
-        Reduce("sumsq", "rs", "xt", "k", loops),
+        Reduce("sumsq", "rs", src, "k", loops),
         *([RingAllReduce("rs", "k", "sum", loops)] if k_split else []),
         Vector("mul_scalar", "rs", ("rs",), (1.0 / k,), loops),
         Vector("add_scalar", "rs", ("rs",), (float(eps),), loops),
         Vector("rsqrt", "rs", ("rs",), (), loops),
-        Vector("mul", "xt", ("xt", "rs"), (), loops),
+        Vector("mul", "xt", (src, "rs"), (), loops),
         Load("nwt", "nw", ("k",), loops),
         Vector("mul", "xt", ("nwt", "xt"), (), loops),
     ]
@@ -289,64 +300,24 @@ def best_swiglu_mlp(
     from torch_spyre.kernels.search import Search
 
     cfg = config or HardwareConfig()
-    se = stick_elems(dtype)
-    pows = [1 << i for i in range(cfg.cores.bit_length()) if 1 << i <= cfg.cores]
-    n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
-    n_splits = stick_splits(n_sticks, cfg.cores)
-    # a k split needs the output columns to be k
-    k_splits = stick_splits(k_sticks, cfg.cores) if e == k else [1]
-    splits = [
-        (pb, pm, pn, pk)
-        for pb, pm, pn, pk in itertools.product(pows if batched else [1], pows, n_splits, k_splits)
-        if pb * pm * pn * pk <= cfg.cores
-        and pb <= b
-        and pm <= m
-        and pn <= n_sticks
-        and pk <= k_sticks
-    ]
-    busy = [
-        s
-        for s in splits
-        # not one that leaves half the card idle although there is work to split
-        if not (
-            math.prod(s) < cfg.cores // 2
-            and (s[0] < b or s[1] < m or s[2] < n_sticks or s[3] < k_sticks)
-        )
-    ]
 
-    # (small odd shapes, e.g. 3 rows of 4 sticks, have no split using half the card)
     def build(c: tuple) -> Program:
-        (pb, pm, pn, pk), (tb, tm, tn, tk) = c
+        (pb, pm, pn, pk), (tb, tm, tn, tk), keep = c
         return swiglu_mlp(
             b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
             batched=batched, residual=residual, config=cfg, name=name, tb=tb,
-            merged=merged, norm_eps=norm_eps,
+            merged=merged, norm_eps=norm_eps, keep_stream=keep,
         )  # fmt: skip
 
+    # with a norm prologue: the residual stream kept in LX, or read again
+    keeps = (False, True) if norm_eps is not None and batched else (False,)
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
-    planned: set[tuple[int, ...]] = set()
-    for pb, pm, pn, pk in busy or splits:
-        em = ceil_div(m, pm)
-        en = ceil_div(n_sticks, pn) * se if pn > 1 else n
-        ek = ceil_div(k_sticks, pk) * se if pk > 1 else k
-        eb = ceil_div(b, pb)
-        # splits whose whole-stick chunks come out the same are one plan
-        if (eb, em, en, ek) in planned:
-            continue
-        planned.add((eb, em, en, ek))
-        # row tiles: the core's rows, halves, quarters, and the small tiles a
-        # long prompt needs (8192 rows: the activation and fp32 accumulator
-        # of 128 rows over a whole k already fill the LX)
-        tms = sorted({em, ceil_div(em, 2), ceil_div(em, 4), *(t for t in (32, 64, 128) if t < em)})
-        tbs = sorted({1, eb}) if batched else [1]
-        # tiles clamped to the core's extents, each distinct one planned once
-        tiles = sorted(
-            {
-                (tb, tm, min(tn, en), min(tk, ek))
-                for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
-            }
-        )
-        found.run(((pb, pm, pn, pk), t) for t in tiles)
+    # a k split needs the output columns to be k
+    plans = row_block_plans(
+        b, m, k, n, cfg.cores, stick_elems(dtype), batched=batched, k_split=e == k
+    )
+    for split, tiles in plans:
+        found.run((split, t, keep) for t in tiles for keep in keeps)
     if found.best is None:
         raise ProgramError(f"fused SwiGLU MLP {b * m}x{k}x{n}: no plan fits the card")
     return found.best.result

@@ -26,6 +26,7 @@ def register() -> None:
         normalization,
         paged_attention,
         pooling,
+        projections,
         quantized,
         recurrent,
         reductions,

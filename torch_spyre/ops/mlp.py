@@ -105,6 +105,17 @@ def _(x, nw, eps, wg, wu, wd, scale):
     return x.new_empty((*x.shape[:-1], wd.shape[0]))
 
 
+def activation_rows(x: torch.Tensor) -> tuple[int, int, bool, torch.Tensor]:
+    """(b, m, batched, whole x) of the activation [..., K] a row-block program
+    reads: [B, S, K] in its own layout (no re-layout), anything else as
+    [rows, K]."""
+    lead = tuple(x.shape[:-1])
+    if len(lead) == 2:
+        return lead[0], lead[1], True, operands.whole(x)
+    m = max(1, x.numel() // x.shape[-1])
+    return 1, m, False, operands.whole(x.reshape(m, x.shape[-1]))
+
+
 def _device_swiglu(x, wg, wu, wd, res=None, scale=None, norm=None):
     from torch_spyre import kernels
 
@@ -116,12 +127,7 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None, norm=None):
         return None
     wgu = _merged_weight(wg, wu)
     lead = tuple(x.shape[:-1])
-    if len(lead) == 2:  # [B, S, K]: read in its own layout, no re-layout
-        b, m, batched = lead[0], lead[1], True
-        xx = operands.whole(x)
-    else:
-        b, m, batched = 1, max(1, x.numel() // k), False
-        xx = operands.whole(x.reshape(m, k))
+    b, m, batched, xx = activation_rows(x)
     dev = x.device
     merged = wgu is not None
     eps = None if norm is None else norm[1]

@@ -464,6 +464,8 @@ def _build_store(program: Program, s: Store, dims: dict) -> Callable:
 def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
     od = ops_mod.vector_op(s.op)
     out_buf = program.buffer(s.out)
+    if s.op == "rename":
+        return _build_rename(s, dims, out_buf)
     aligns = tuple(_Align(dims[x], out_buf.dims) for x in s.inputs)
     inputs, scalars, out, fn = s.inputs, s.scalars, s.out, od.fn
     out_dtype = out_buf.dtype
@@ -495,6 +497,22 @@ def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
         env[out] = to_out(res)
 
     return vector
+
+
+def _build_rename(s: Vector, dims: dict, out_buf) -> Callable:
+    """The input under its one dim the output names otherwise (validated:
+    same size, not split over cores), aligned to the output's dims."""
+    src = dims[s.inputs[0]]
+    (old,) = set(src) - set(out_buf.dims)
+    (new,) = set(out_buf.dims) - set(src)
+    align = _Align(tuple(new if d == old else d for d in src), out_buf.dims)
+    inp, out = s.inputs[0], s.out
+    dims[out] = out_buf.dims
+
+    def rename(buffers: Buffers, env: dict) -> None:
+        env[out] = align(env[inp])
+
+    return rename
 
 
 def _split_axis(
