@@ -373,6 +373,16 @@ def best_flash_attention(
         + _greedy_split((b, hk, sq, g), cfg.cores)[3:]
         + _greedy_split((b, hk, sq, g), cfg.cores)[2:3],
     }
+    # fewer cores on the batch than it could take, the rest on heads and
+    # positions (batch 4 x 8 KV heads, causal: 2 x 8 x 2 balances the
+    # triangle better than 4 x 8 with each core's whole sequence)
+    # (tried after the others: a tie keeps the plan found before)
+    fewer = set()
+    for pb_ in (1 << i for i in range(cfg.cores.bit_length())):
+        if pb_ < pb and b % pb_ == 0:
+            for rest_dims in ((hk, g, sq), (hk, sq, g)):
+                ph_, p2, p3 = _greedy_split(rest_dims, cfg.cores // pb_)
+                fewer.add((pb_, ph_, p2, p3) if rest_dims[1] == g else (pb_, ph_, p3, p2))
 
     def build(c: tuple) -> Program:
         split, db, tq, tk, ob = c
@@ -384,7 +394,7 @@ def best_flash_attention(
         )  # fmt: skip
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
-    for split in sorted(splits):
+    for split in sorted(splits) + sorted(fewer - splits):
         eq = ceil_div(sq, split[3])
         tqs = sorted({min(eq, t) for t in (64, 128, 256, 512, eq)})
         # a paged decode (one query) has the LX for longer K/V tiles
