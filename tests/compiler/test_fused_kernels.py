@@ -236,8 +236,9 @@ def _tail_args(lead, k, n, dtype, seed=0):
 def test_rms_norm_before_the_mlp_is_the_mlp_programs_prologue(lead, dtype):
     """``s + mlp(rms_norm(s))``: the norm runs in LX inside the MLP program
     (``spyre::swiglu_mlp_norm_add``), which reads the residual stream ``s``
-    twice and never the normed activation; ``s`` itself is the output
-    projection's epilogue.  Two programs, no reduction kernel of its own."""
+    (twice, or once where its tile stays in LX for the add: ``keep_stream``)
+    and never the normed activation; ``s`` itself is the output projection's
+    epilogue.  Two programs, no reduction kernel of its own."""
     args = _tail_args(lead, 128, 320, dtype)
     fn = _layer_tail(_rms)
     out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, args, dtype)
@@ -249,8 +250,11 @@ def test_rms_norm_before_the_mlp_is_the_mlp_programs_prologue(lead, dtype):
     assert "mean" not in names[0]
     prog = _program(names[1])
     assert {o.name for o in prog.operands} == {"x", "nw", "wg", "wu", "wd", "out"}
-    # the residual stream is read twice (normed, then added); only out stored
-    assert [s.operand for s in prog.steps if getattr(s, "kind", "") == "load"].count("x") == 2
+    # the residual stream is read twice (normed, then added) unless its tile
+    # is kept in LX (buffer st) for the add; only out stored
+    kept = any(b.name == "st" for b in prog.buffers)
+    loads = [s.operand for s in prog.steps if getattr(s, "kind", "") == "load"]
+    assert loads.count("x") == (1 if kept else 2), (kept, loads)
     assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
 
 
@@ -294,11 +298,18 @@ def test_norm_prologue_with_k_split_over_cores_all_reduces_its_sum_of_squares():
 def test_norm_prologue_at_granite_size_costs_under_a_thousandth_of_the_mlp():
     """Prefill (1024 rows) and decode (1 row) at Granite-3.3-8B's size: the
     norm in LX adds under 0.1% to the MLP program, where the norm kernel it
-    replaces took 289.5 us (prefill) and 3.1 us (decode) of its own."""
+    replaces took 289.5 us (prefill) and 3.1 us (decode) of its own.  In
+    prefill the normed program is even faster (3.442 against 3.512 ms): the
+    stream's tile normed in LX stays there for the residual add
+    (``keep_stream``), one read of the row block fewer than the plain
+    program's separate residual operand."""
     for m in (1024, 1):
         res = estimate(kernels.best_swiglu_mlp(1, m, 4096, 12800, 4096, residual=0.22)).time_s
         normed = kernels.best_swiglu_mlp(1, m, 4096, 12800, 4096, residual=0.22, norm_eps=1e-5)
-        assert res < estimate(normed).time_s < 1.001 * res
+        assert estimate(normed).time_s < 1.001 * res
+        if m == 1024:
+            assert any(b.name == "st" for b in normed.buffers)
+            assert estimate(normed).time_s < res
 
 
 # ---------------------------------------------------------------- attention
