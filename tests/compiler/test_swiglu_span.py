@@ -106,6 +106,39 @@ def test_norm_prologue_plans_compute_the_normed_mlp(b, m, split, tb, keep):
     torch.testing.assert_close(out_op.layout.to_host(bufs["out"]), want.to(H), **tolerances(H))
 
 
+def test_a_double_buffered_output_overlaps_the_row_blocks_stores():
+    """Several row blocks per core (a batch tile of 1 over 16 batch
+    elements): the down projection's accumulator double buffered lets each
+    block's store overlap the next block's work (Granite-3.3-8B at batch 32 x
+    512: 53,685.7 -> 52,655.7 us, 1.004x its floor); the values are the
+    single-buffered plan's; one row block per core keeps a single buffer."""
+    b, m, k, n = 2, 3, 256, 384
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(b, m, k, generator=g).to(H)
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(H)
+    ws = [(torch.randn(*s, generator=g) / math.sqrt(s[1])).to(H) for s in ((n, k), (n, k), (k, n))]
+    host = dict(zip(("x", "nw", "wg", "wu", "wd"), (x, nw, *ws)))
+    outs = []
+    for double in (False, True):
+        p = kernels.swiglu_mlp(
+            b, m, k, n, k, H, split=(1, 1, 2, 2), tiles=(m, 64, 64), tb=1, residual=0.5,
+            norm_eps=1e-5, double_out=double,
+        )  # fmt: skip
+        p.validate()
+        assert p.buffer("y").double_buffered == double
+        bufs = {o.name: o.layout.to_device(host[o.name]) for o in p.operands if o.name in host}
+        lay = p.operand("out").layout
+        bufs["out"] = torch.zeros(lay.device_size, dtype=lay.dtype)
+        execute(p, bufs)
+        outs.append(lay.to_host(bufs["out"]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    big = kernels.best_swiglu_mlp(32, 512, 4096, 12800, 4096, residual=0.22, norm_eps=1e-5)
+    r = estimate(big)
+    assert big.buffer("y").double_buffered and r.time_s < 1.005 * r.sustained_roof_s
+    one = kernels.best_swiglu_mlp(1, 1024, 4096, 12800, 4096, residual=0.22, norm_eps=1e-5)
+    assert not one.buffer("y").double_buffered
+
+
 def test_k_split_needs_the_output_columns_to_be_k():
     with pytest.raises(ProgramError, match="E == K"):
         kernels.swiglu_mlp(1, 2, 256, 384, 128, H, split=(1, 1, 1, 2))

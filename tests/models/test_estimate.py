@@ -210,13 +210,14 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
         # in place, with no copy of the cache)
         assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
         assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
-    # met: 1.26x (no re-lay copies, the norms as prologues of the QKV
+    # 1.24x (no re-lay copies, the norms as prologues of the QKV
     # projections' and the MLP's programs, the residual add in the MLP
     # program, attention stored token-major, RoPE's rotation read in place and
-    # its q tile read once; performance.md).  The same in every process: CI once saw 1.411x
-    # against 1.40x, where an earlier compile in the process had changed how
-    # Inductor lowered the next graph (compiler/implicit_fallbacks.py)
-    assert r["prefill_vs_compute_floor"] <= 1.27
+    # its q tile read once, the projections' stores overlapped; performance.md).
+    # The same in every process: CI once saw 1.411x against 1.40x, where an
+    # earlier compile in the process had changed how Inductor lowered the next
+    # graph (compiler/implicit_fallbacks.py)
+    assert r["prefill_vs_compute_floor"] <= 1.25
     # issue 30's 1.15x is below what this split into kernels allows: each
     # kernel at its floor as calibrated (operands once at the sustained
     # bandwidth) already sums to 1.17x; no kernel beats its floor
@@ -259,7 +260,7 @@ def test_granite_8b_long_prompt_prefill(tmp_path):
     assert cli.main(["estimate", "granite-3.3-8b", "--prompt", "8192", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     r = d["ratios"]
-    assert r["prefill_vs_compute_floor"] <= 1.3  # 1.17x
+    assert r["prefill_vs_compute_floor"] <= 1.3  # 1.14x
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
     names = [k["name"] for k in layer["plans"]]
     assert any(n.startswith("swiglu_mlp_8192x") for n in names)
@@ -277,8 +278,9 @@ def test_granite_8b_batched_prefill_fuses_rope_into_its_rotation(tmp_path):
     """Batch 32 x 512 (4 prompts a 2048-token step): RoPE's rotation matmul
     keeps RoPE as its epilogue although it reads the rows batch x heads x
     tokens (``lowering.ReadShape``), one program for Q and one for K; the
-    modelled prefill is pinned (3,220.0 ms, 1.1995x: issue 30's bar of 1.2x
-    is met).
+    modelled prefill is pinned (3,146.2 ms, 1.17x: issue 30's bar of 1.2x
+    is met; the accumulators of the projections' and the MLP's programs
+    double buffered, their stores overlapped).
     The norms are prologues of the Q, K, V projections' program and of the
     MLP's: 9 kernels a layer."""
     from torch_spyre import cli
@@ -293,8 +295,8 @@ def test_granite_8b_batched_prefill_fuses_rope_into_its_rotation(tmp_path):
     assert len(rope) == 2 and len(names) == 9, names
     assert names[0].startswith("projections_") and names[0].endswith("_norm")
     assert names[-1].endswith("_res_norm")
-    assert d["prefill_s"] == pytest.approx(3.22004818067354, rel=1e-9)
-    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.2
+    assert d["prefill_s"] == pytest.approx(3.1461837986907217, rel=1e-9)
+    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.18
 
 
 @pytest.mark.slow  # plans the real 8B decode layer twice, with and without LoRA: ~30 s

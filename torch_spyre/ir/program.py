@@ -158,6 +158,18 @@ class Program(ProgramChecks, ProgramText):
         """LX bytes per buffer on one core, double buffering included (as
         ``buffer_bytes``, with every buffer's extents from one pass over the
         steps: planners ask this of thousands of candidate programs)."""
+        ext = self.lx_extents()
+        out = {}
+        for b in self.buffers:
+            itemsize = b.dtype.itemsize
+            stick = (config.stick_bytes if config else 128) // itemsize
+            sizes = [ext[b.name][d] for d in b.dims] or [1]
+            sizes[-1] = ceil_div(sizes[-1], stick) * stick
+            out[b.name] = math.prod(sizes) * itemsize * (2 if b.double_buffered else 1)
+        return out
+
+    def lx_extents(self) -> dict[str, dict[str, int]]:
+        """Every buffer's ``buffer_extents`` from one pass over the steps."""
         ext: dict[str, dict[str, int]] = {b.name: dict.fromkeys(b.dims, 1) for b in self.buffers}
         for s in self.steps:
             w = step_writes(s)
@@ -169,14 +181,7 @@ class Program(ProgramChecks, ProgramText):
                     x = self.step_extent(s, d)
                     if x > e[d]:
                         e[d] = x
-        out = {}
-        for b in self.buffers:
-            itemsize = b.dtype.itemsize
-            stick = (config.stick_bytes if config else 128) // itemsize
-            sizes = [ext[b.name][d] for d in b.dims] or [1]
-            sizes[-1] = ceil_div(sizes[-1], stick) * stick
-            out[b.name] = math.prod(sizes) * itemsize * (2 if b.double_buffered else 1)
-        return out
+        return ext
 
     def core_span_bytes(self, operand: str) -> int:
         """Device-memory address span one core touches in ``operand`` (fullest core).

@@ -300,8 +300,9 @@ class ProgramChecks:
         usage = self.lx_usage(cfg)
         total = sum(usage.values())
         if total > cfg.lx_bytes:
+            ext = self.lx_extents()
             detail = ", ".join(
-                f"{n} {list(self.buffer_extents(n).values())} {self.buffer(n).dtype}"
+                f"{n} {list(ext[n].values())} {self.buffer(n).dtype}"
                 f"{' x2 (double buffered)' if self.buffer(n).double_buffered else ''} = {_fmt_bytes(b)}"
                 for n, b in usage.items()
             )

@@ -48,6 +48,7 @@ def norm_projections(
     tiles: tuple[int, int, int] | None = None,
     tb: int = 1,
     batched: bool = True,
+    double_acc: bool = False,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -73,6 +74,9 @@ def norm_projections(
     Operands: ``x`` [b, m, k] (``batched=False``: [m, k]), ``w0``, ``w1``, ...,
     ``out0``, ``out1``, ... [b, m, widths[i]].  ``split``: cores over (b, m, n,
     k); ``tiles``: (tm, tn, tk); ``tb``: batch elements per tile.
+    ``double_acc``: the fp32 accumulators are double buffered, so the stores
+    of one column block overlap the next block's weight stream instead of
+    stalling it (twice their LX).
     """
     cfg = config or HardwareConfig()
     n = projection_block(widths, dtype)
@@ -111,7 +115,10 @@ def norm_projections(
                 Load(wt, f"w{i}", ("n", "k"), l4, multicast=w_mc, offsets=(r * n, 0)),
                 Matmul(at, "xt", wt, l4),
             ]
-            buffers += [Buffer(wt, ("n", "k"), dtype, True), Buffer(at, (*rows, "n"), acc)]
+            buffers += [
+                Buffer(wt, ("n", "k"), dtype, True),
+                Buffer(at, (*rows, "n"), acc, double_acc),
+            ]
             if pk > 1:
                 stores.append(RingAllReduce(at, "k", "sum", l3))
             at_col = (0, 0, r * n) if batched else (0, r * n)
@@ -162,10 +169,17 @@ def best_norm_projections(
 
     def build(c: tuple) -> Program:
         split, (tb, tm, tn, tk) = c
-        return norm_projections(
-            b, m, k, widths, dtype, norm_eps=norm_eps, split=split, tiles=(tm, tn, tk),
-            tb=tb, batched=batched, config=cfg, name=name,
-        )  # fmt: skip
+
+        def program(dacc: bool) -> Program:
+            return norm_projections(
+                b, m, k, widths, dtype, norm_eps=norm_eps, split=split, tiles=(tm, tn, tk),
+                tb=tb, batched=batched, double_acc=dacc, config=cfg, name=name,
+            )  # fmt: skip
+
+        # the accumulators double buffered where the LX holds them twice: the
+        # same tiles, the stores overlapped instead of serial, never slower
+        double = program(True)
+        return double if sum(double.lx_usage(cfg).values()) <= cfg.lx_bytes else program(False)
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     plans = row_block_plans(

@@ -45,6 +45,7 @@ def swiglu_mlp(
     merged: bool = False,
     norm_eps: float | None = None,
     keep_stream: bool = False,
+    double_out: bool = False,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -87,6 +88,9 @@ def swiglu_mlp(
     stream ``x`` is read instead of the normed activation, normed in LX (its
     sum of squares all-reduced over the cores splitting k), and read again
     as the residual; the normed activation never reaches device memory.
+    ``double_out``: the down projection's fp32 accumulator is double
+    buffered, so a row block's store overlaps the next block's work instead
+    of stalling it (twice its LX; a core with one row block gains nothing).
     ``keep_stream``: the residual stream's tile stays in LX (buffer ``st``)
     for the residual add instead of being read again (one transfer fewer
     on every core's critical path, a row block of LX more).
@@ -161,7 +165,10 @@ def swiglu_mlp(
             Load("wdt", "wd", ("k", "n"), l4, multicast=w_mc),
             Matmul("y", "h", "wdt", l4),
         ]
-        buffers += [Buffer("wdt", ("k", "n"), dtype, db), Buffer("y", (*rows, "k"), acc)]
+        buffers += [
+            Buffer("wdt", ("k", "n"), dtype, db),
+            Buffer("y", (*rows, "k"), acc, double_out),
+        ]
         if pn > 1:
             steps.append(RingAllReduce("y", "n", "sum", l2))
         steps.append(Store("out", "y", (*rows, "k"), l2))
@@ -170,7 +177,10 @@ def swiglu_mlp(
             Load("wdt", "wd", ("e", "n"), l3, multicast=w_mc),
             Matmul("y", "h", "wdt", l3),
         ]
-        buffers += [Buffer("wdt", ("e", "n"), dtype, db), Buffer("y", (*rows, "e"), acc)]
+        buffers += [
+            Buffer("wdt", ("e", "n"), dtype, db),
+            Buffer("y", (*rows, "e"), acc, double_out),
+        ]
         if pn > 1:
             steps.append(RingAllReduce("y", "n", "sum", l2))
         steps.append(Store("out", "y", (*rows, "e"), l2))
@@ -303,11 +313,20 @@ def best_swiglu_mlp(
 
     def build(c: tuple) -> Program:
         (pb, pm, pn, pk), (tb, tm, tn, tk), keep = c
-        return swiglu_mlp(
-            b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
-            batched=batched, residual=residual, config=cfg, name=name, tb=tb,
-            merged=merged, norm_eps=norm_eps, keep_stream=keep,
-        )  # fmt: skip
+
+        def program(double_out: bool) -> Program:
+            return swiglu_mlp(
+                b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
+                batched=batched, residual=residual, config=cfg, name=name, tb=tb,
+                merged=merged, norm_eps=norm_eps, keep_stream=keep, double_out=double_out,
+            )  # fmt: skip
+
+        if e is None or (tm >= ceil_div(m, pm) and tb >= ceil_div(b, pb)):
+            return program(False)  # one row block per core: nothing to overlap
+        # the output accumulator double buffered where the LX holds it twice:
+        # the same tiles, the stores overlapped instead of serial
+        double = program(True)
+        return double if sum(double.lx_usage(cfg).values()) <= cfg.lx_bytes else program(False)
 
     # with a norm prologue: the residual stream kept in LX, or read again
     keeps = (False, True) if norm_eps is not None and batched else (False,)
