@@ -21,7 +21,7 @@ from torch_spyre.ir import (
     Store,
 )
 from torch_spyre.kernels.search import persisted
-from torch_spyre.kernels.splits import row_block_extents, row_block_plans
+from torch_spyre.kernels.splits import double_if_it_fits, row_block_extents, row_block_plans
 from torch_spyre.kernels.swiglu import norm_prologue
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
@@ -176,10 +176,7 @@ def best_norm_projections(
                 tb=tb, batched=batched, double_acc=dacc, config=cfg, name=name,
             )  # fmt: skip
 
-        # the accumulators double buffered where the LX holds them twice: the
-        # same tiles, the stores overlapped instead of serial, never slower
-        double = program(True)
-        return double if sum(double.lx_usage(cfg).values()) <= cfg.lx_bytes else program(False)
+        return double_if_it_fits(program, cfg)
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     plans = row_block_plans(

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+from torch_spyre.hardware import HardwareConfig
+from torch_spyre.ir import Program
 from torch_spyre.layout import ceil_div
 
 
@@ -90,3 +92,11 @@ def row_block_extents(
     pk = ceil_div(k, ek)
     em = ceil_div(m, pm)
     return pn, pk, en, ek, em, tiles if tiles is not None else (em, min(en, 64), min(ek, 512))
+
+
+def double_if_it_fits(program: Callable[[bool], Program], cfg: HardwareConfig) -> Program:
+    """``program(True)`` (its accumulators double buffered: the same tiles,
+    a block's stores overlapped with the next block instead of serial, never
+    slower) where the LX holds it, else ``program(False)``."""
+    double = program(True)
+    return double if sum(double.lx_usage(cfg).values()) <= cfg.lx_bytes else program(False)

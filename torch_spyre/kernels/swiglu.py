@@ -22,7 +22,7 @@ from torch_spyre.ir import (
     Vector,
 )
 from torch_spyre.kernels.search import persisted
-from torch_spyre.kernels.splits import row_block_extents, row_block_plans
+from torch_spyre.kernels.splits import double_if_it_fits, row_block_extents, row_block_plans
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
 
@@ -90,7 +90,7 @@ def swiglu_mlp(
     as the residual; the normed activation never reaches device memory.
     ``double_out``: the down projection's fp32 accumulator is double
     buffered, so a row block's store overlaps the next block's work instead
-    of stalling it (twice its LX; a core with one row block gains nothing).
+    of stalling it (twice its LX; ignored where a core has one row block).
     ``keep_stream``: the residual stream's tile stays in LX (buffer ``st``)
     for the residual add instead of being read again (one transfer fewer
     on every core's critical path, a row block of LX more).
@@ -147,9 +147,11 @@ def swiglu_mlp(
         Vector("mul", "h", ("g", "u"), (), l3),
     ]
     x_dims = xb if batched else ("m", "k")
+    # several row blocks per core: their buffers may alternate
+    blocks = tm < em or tb < ceil_div(b, pb)
     buffers = [
         # one activation block per core is loaded once: no second copy
-        Buffer("xt", x_dims, dtype, db and (tm < em or tb < ceil_div(b, pb))),
+        Buffer("xt", x_dims, dtype, db and blocks),
         Buffer("wgt", ("n", "k"), dtype, db),
         Buffer("wut", ("n", "k"), dtype, db),
         Buffer("g", hi if batched else ("m", "n"), acc),
@@ -167,7 +169,7 @@ def swiglu_mlp(
         ]
         buffers += [
             Buffer("wdt", ("k", "n"), dtype, db),
-            Buffer("y", (*rows, "k"), acc, double_out),
+            Buffer("y", (*rows, "k"), acc, double_out and blocks),
         ]
         if pn > 1:
             steps.append(RingAllReduce("y", "n", "sum", l2))
@@ -179,7 +181,7 @@ def swiglu_mlp(
         ]
         buffers += [
             Buffer("wdt", ("e", "n"), dtype, db),
-            Buffer("y", (*rows, "e"), acc, double_out),
+            Buffer("y", (*rows, "e"), acc, double_out and blocks),
         ]
         if pn > 1:
             steps.append(RingAllReduce("y", "n", "sum", l2))
@@ -234,7 +236,7 @@ def swiglu_mlp(
         operands.append(Operand("nw", SpyreTensorLayout.default((k,), dtype), "input"))
         buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
         if keep:
-            buffers.append(Buffer("st", xb, dtype, db and (tm < em or tb < ceil_div(b, pb))))
+            buffers.append(Buffer("st", xb, dtype, db and blocks))
     elif residual is not None:
         operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
     operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
@@ -321,12 +323,7 @@ def best_swiglu_mlp(
                 merged=merged, norm_eps=norm_eps, keep_stream=keep, double_out=double_out,
             )  # fmt: skip
 
-        if e is None or (tm >= ceil_div(m, pm) and tb >= ceil_div(b, pb)):
-            return program(False)  # one row block per core: nothing to overlap
-        # the output accumulator double buffered where the LX holds it twice:
-        # the same tiles, the stores overlapped instead of serial
-        double = program(True)
-        return double if sum(double.lx_usage(cfg).values()) <= cfg.lx_bytes else program(False)
+        return double_if_it_fits(program, cfg)
 
     # with a norm prologue: the residual stream kept in LX, or read again
     keeps = (False, True) if norm_eps is not None and batched else (False,)
