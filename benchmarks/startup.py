@@ -140,6 +140,7 @@ import torch, torch_spyre
 from torch._dynamo.utils import compilation_time_metrics, counters
 from torch_spyre import models
 from torch_spyre.models.generate import generate, prompt_ids
+from torch_spyre.compiler import precompiled
 from torch_spyre.runtime import artifact_cache
 tok = models.load_tokenizer("smollm2")
 dev = models.prepare(models.load_reference("smollm2", kind="causal-lm"),
@@ -158,6 +159,7 @@ print("MAINJOB " + json.dumps({
     "dynamo_s": {k: sum(v) for k, v in compilation_time_metrics.items()},
     "aot_autograd": dict(counters["aot_autograd"]), "inductor": dict(counters["inductor"]),
     "spyre_cache": artifact_cache.stats.as_dict(),
+    "precompiled": {k: v for k, v in precompiled.summary(dev).items() if k != "why"},
 }))
 """
 
@@ -299,7 +301,8 @@ def warm_cache(json_out: str | None) -> int:
             print(f"{k}: compile phase {r['compile_s']:.1f} s (prefill {r['prefill_wall_s']:.1f} s, "
                   f"first decode {r['first_decode_s']:.1f} s), load {r['import_load_s']:.1f} s; "
                   f"{', '.join(f'{n} {t:.1f} s' for n, t in top)}; spyre cache "
-                  f"{r['spyre_cache']}", flush=True)  # fmt: skip
+                  f"{r['spyre_cache']}; precompiled forward {r['precompiled']}",
+                  flush=True)  # fmt: skip
         same = rows["main_cold"]["tokens"] == rows["main_warm"]["tokens"]
         print(f"main job: the same tokens cold and warm: {'yes' if same else 'NO'}")
         cache = str(Path(tmp) / "serve")

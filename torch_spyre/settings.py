@@ -167,6 +167,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("TORCH_SPYRE_CACHE_SIZE", "cache_size", _bytes,
         "size cap of `TORCH_SPYRE_CACHE_DIR`: past it the least recently used entries "
         "are evicted (`spyre cache --info`)", "10 GiB"),
+    Var("TORCH_SPYRE_PRECOMPILE", "precompile", _flag,
+        "a `models.prepare(compile=True)` forward is compiled whole ahead of time and kept "
+        "in `TORCH_SPYRE_CACHE_DIR`, so a later process loads it without tracing (`0`: "
+        "`torch.compile`'s own path; docs/compiler.md, \"Precompiled forwards\")", "1"),
     Var("TORCH_SPYRE_MODEL_CACHE", "model_cache", _text,
         "where offline models are converted and cached", "`~/.cache/torch_spyre/models`"),
     Var("TORCH_SPYRE_VLLM", "vllm", _flag,
@@ -215,6 +219,7 @@ class Settings:
     ccl_timeout_s: float | None = None
     cache_dir: str | None = None
     cache_size: int = 10 << 30
+    precompile: bool = True
     model_cache: str | None = None
     vllm: bool = True
     #: None: the default (on for generative models, off for pooling models)

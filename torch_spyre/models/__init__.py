@@ -181,9 +181,12 @@ def prepare(
     model.spyre_compiled = compile
     if compile:
         from torch_spyre.compiler import regions
+        from torch_spyre.compiler.precompiled import PrecompiledForward
 
-        # one graph per input shape: models.generate keeps one shape per bucket
-        model.forward = torch.compile(model.forward, backend=regions.flat_inductor, dynamic=False)
+        # one graph per input shape (models.generate keeps one shape per
+        # bucket), saved whole in the artifact cache: a later process loads it
+        # without tracing (compiler/precompiled.py)
+        model.forward = PrecompiledForward(model, regions.flat_inductor)
     return model
 
 

@@ -38,6 +38,7 @@ no-op outside ``torch.compile``).  Measured in ``benchmarks/startup.py
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import re
 import textwrap
@@ -170,11 +171,17 @@ def _marked_class(cls: type) -> type:
             )
         return cls.forward(self, hidden_states, cache=cache, **kwargs)
 
+    # importable by its name (a precompiled forward's saved guards pickle the
+    # classes they meet, and take only a class whose qualified name is its
+    # name, compiler/precompiled.py): this module's ``<class>_spyre_<hash>``
+    name = f"{cls.__name__}_spyre_{hashlib.sha256(cls.__module__.encode()).hexdigest()[:8]}"
     marked = _CLASSES[cls] = type(
-        cls.__name__,
+        name,
         (cls,),
-        {"forward": forward, "__module__": cls.__module__, "_spyre_layer_of": cls},
-    )
+        {"forward": forward, "__module__": __name__, "__qualname__": name,
+         "_spyre_layer_of": cls},
+    )  # fmt: skip
+    globals()[name] = marked
     return marked
 
 

@@ -250,6 +250,16 @@ def store(namespace: str, key: str, value: Any) -> bool:
     return True
 
 
+def discard(namespace: str, key: str, why: str) -> None:
+    """Remove the entry under ``key`` with a ``CacheWarning`` saying ``why``: a
+    caller found it unusable after ``load`` (its payload passed the checksum
+    but not the caller's own loading); the caller rebuilds it."""
+    base = root()
+    if base is not None:
+        _reject(_entry_path(base, namespace, key), why)
+        stats.hits -= 1  # ``load`` counted it a hit; it is a rebuilt miss
+
+
 _unwritable_warned: set[pathlib.Path] = set()
 
 
