@@ -166,7 +166,7 @@ class PrecompiledForward:
                 try:
                     entry = self._obtain(desc, args, kwargs)
                 except _Refused as e:
-                    self.stats.why[key] = str(e)
+                    self.stats.why[_brief(desc)] = str(e)
                 self._entries[key] = entry
             return self._entries[key]
 
@@ -196,7 +196,10 @@ class PrecompiledForward:
                 fn = self._compile_ahead(args, kwargs)
         except Exception as e:  # noqa: BLE001 - a graph break, an unsupported guard...
             why = f"not compiled ahead of time ({type(e).__name__}: {_first_line(e)})"
-            artifact_cache.store(NAMESPACE, cache_key, {"plain": why})
+            if isinstance(e, torch._dynamo.exc.Unsupported):
+                # a graph break is the code's: a later process need not try
+                # again (anything else may be this process's, and is retried)
+                artifact_cache.store(NAMESPACE, cache_key, {"plain": why})
             raise _Refused(why) from e
         self.stats.built += 1
         try:
@@ -205,7 +208,7 @@ class PrecompiledForward:
             with card.compiling():
                 blob = self._serialize(fn)
         except Exception as e:  # noqa: BLE001 - kept in memory for this process
-            self.stats.why[f"save {len(self.stats.why)}"] = f"not saved ({_first_line(e)})"
+            self.stats.why[_brief(desc)] = f"not saved ({_first_line(e)})"
         else:
             self.stats.saved += int(artifact_cache.store(NAMESPACE, cache_key, blob))
         fn.disable_guard_check()
@@ -250,6 +253,13 @@ class PrecompiledForward:
 # ------------------------------------------------------------------ describing
 def _describe_call(args: tuple, kwargs: dict) -> list:
     return [[_describe(a) for a in args], [[k, _describe(v)] for k, v in sorted(kwargs.items())]]
+
+
+def _brief(desc: list) -> str:
+    """A call's description in a line: its tensors' shapes, by argument."""
+    args, kwargs = desc
+    parts = [(str(i), d) for i, d in enumerate(args)] + [(k, d) for k, d in kwargs]
+    return ", ".join(f"{k}{d[1]}" if d[0] == "T" else f"{k}={d[0]}" for k, d in parts)
 
 
 def _describe(value: Any) -> Any:
