@@ -17,8 +17,7 @@ forward on top of it:
   torch_spyre's sources, the hardware config and the planning options;
 * the first call of a key compiles it ahead of time and stores it in
   ``TORCH_SPYRE_CACHE_DIR`` (``runtime/artifact_cache``: atomic writes,
-  checksummed, capped); a later process loads it (~0.4 s for SmolLM2's
-  prefill graph) instead of tracing.  The weights are graph inputs, read
+  checksummed, capped); a later process loads it instead of tracing.  The weights are graph inputs, read
   from the module at each call, never baked in.
 
 Torch cannot serialise guards on object identity (the cache object, the
@@ -41,7 +40,6 @@ import hashlib
 import importlib
 import io
 import json
-import pathlib
 import sys
 import threading
 import types
@@ -332,14 +330,9 @@ def _version_of(name: str) -> str | None:
 
 @functools.cache
 def _models_version() -> str:
-    """A hash of torch_spyre's model adapters (they shape the trace; the
-    compiler's sources are in ``artifact_cache.code_version``)."""
-    h = hashlib.sha256()
-    root = pathlib.Path(__file__).resolve().parent.parent / "models"
-    for p in sorted(root.rglob("*.py")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    """torch_spyre's model adapters (they shape the trace; the compiler's
+    sources are in ``artifact_cache.code_version``), once per process."""
+    return artifact_cache.sources_hash("models")
 
 
 def _external_functions(module: torch.nn.Module) -> dict[str, Any]:

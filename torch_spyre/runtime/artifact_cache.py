@@ -85,16 +85,29 @@ def code_version() -> str:
     built by old code would be loaded by every later run)."""
     from torch_spyre import _version
 
-    root = pathlib.Path(__file__).resolve().parent.parent
     h = hashlib.sha256(_version.__version__.encode())
-    for sub in ("compiler", "kernels", "ir", "sim", "runtime", "ops"):
-        for p in sorted((root / sub).rglob("*.py")):
-            h.update(p.relative_to(root).as_posix().encode())
-            h.update(p.read_bytes())
+    _hash_sources(h, ("compiler", "kernels", "ir", "sim", "runtime", "ops"))
+    root = pathlib.Path(__file__).resolve().parent.parent
     for name in ("layout.py", "hardware.py", "settings.py"):
         if (root / name).exists():
             h.update((root / name).read_bytes())
     return f"{_version.__version__}+{h.hexdigest()[:16]}"
+
+
+def sources_hash(*packages: str) -> str:
+    """A hash of the sources of these torch_spyre sub-packages (for a key that
+    depends on sources ``code_version`` leaves out)."""
+    h = hashlib.sha256()
+    _hash_sources(h, packages)
+    return h.hexdigest()[:16]
+
+
+def _hash_sources(h: Any, packages: tuple[str, ...]) -> None:
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for sub in packages:
+        for p in sorted((root / sub).rglob("*.py")):
+            h.update(p.relative_to(root).as_posix().encode())
+            h.update(p.read_bytes())
 
 
 # ---------------------------------------------------------------- canonical
