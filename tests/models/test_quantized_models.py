@@ -16,6 +16,7 @@ import transformers  # noqa: E402
 
 import torch_spyre  # noqa: E402
 import torch_spyre.models as models  # noqa: E402
+from torch_spyre import settings  # noqa: E402
 from torch_spyre.models import quantized  # noqa: E402
 from torch_spyre.models.generate import generate  # noqa: E402
 
@@ -112,8 +113,8 @@ def test_compressed_tensors_checkpoint_keeps_8bit_weights_and_matches_transforme
 
 @pytest.mark.slow  # a compiled 2-layer model (~20-40 s on 2 cores)
 @pytest.mark.skipif(not HAVE_CT, reason="compressed-tensors is not installed (vllm extra)")
-def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpoint):
-    from torch_spyre.compiler import scheduling
+def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpoint, tmp_path):
+    from torch_spyre.compiler import precompiled, scheduling
 
     ref = models.load_reference(ct_wide_checkpoint, kind="causal-lm")
     dev = models.load(ct_wide_checkpoint, kind="causal-lm", compile=True)
@@ -122,8 +123,15 @@ def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpo
     }
     torch._dynamo.reset()
     scheduling.PLANS.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False):  # plan, do not replay
+    # plan, do not replay: neither Inductor's graph cache nor a forward
+    # precompiled by an earlier run (its key names the checkpoint's path, which
+    # a fresh /tmp hands out again) may stand in for the compile
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        settings.override(cache_dir=str(tmp_path / "cache")),
+    ):
         _check(dev, ref)
+    stats = precompiled.summary(dev)
     progs = [p.program for p in scheduling.PLANS]
     # every projection reads its fp8 weight in its matmul program
     fp8_mm = [
@@ -132,7 +140,8 @@ def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpo
         if any(o.layout.dtype == torch.float8_e4m3fn for o in p.operands)
         and any(type(s).__name__ == "Matmul" for s in p.steps)
     ]
-    assert len(fp8_mm) >= 7 * 2  # q, k, v, o, gate, up, down per layer (decode and prefill)
+    # q, k, v, o, gate, up, down per layer (decode and prefill)
+    assert len(fp8_mm) >= 7 * 2, (len(progs), sorted(weights), stats)
     # no dequantised (16/32-bit) weight is written to device memory
     for p in progs:
         for o in p.operands:
