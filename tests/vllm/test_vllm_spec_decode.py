@@ -255,15 +255,17 @@ def _run(llm, prompts: list[str], **sampling) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    """SmolLM2 fp32 on the card without speculation and with n-gram k=3, k=5:
-    the mixed batch, then the repetitive prompt alone (batch 1)."""
+    """SmolLM2 fp32 on the card without speculation and with n-gram k=5: the
+    mixed batch, then the repetitive prompt alone (batch 1).  k=3 runs in
+    test_ngram_repetitive_set_throughput (fp16, its tokens equal to the run
+    without speculation): one engine fewer here (~95 s of the suite)."""
     from vllm import LLM
 
     from torch_spyre.models.offline import folder
 
     path = str(folder("smollm2"))
     results = {}
-    for k in (0, 3, 5):
+    for k in (0, 5):
         spec = None
         if k:
             spec = {
@@ -330,7 +332,7 @@ def _mean(xs: list[float]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("k", [5])
 def test_ngram_greedy_equals_no_speculation(runs, k):
     base, spec = runs[0], runs[k]
     assert spec["batch"]["drafter"] == "NgramProposer"
@@ -341,7 +343,7 @@ def test_ngram_greedy_equals_no_speculation(runs, k):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("k", [5])
 def test_ngram_drafts_accepted_and_fewer_steps(runs, k):
     base, spec = runs[0], runs[k]
     single = spec["single"]
@@ -366,7 +368,7 @@ def test_ngram_random_sampling_runs_rejection_sampling(runs):
     through the engine and accepts drafts (sampled output differs from the
     greedy one, so only lengths and counters are checked here; the kernels
     themselves are checked against vLLM's above)."""
-    for k in (3, 5):
+    for k in (5,):
         r = runs[k]["random"]
         assert len(r["tokens"][0]) == N_TOKENS
         assert r["drafted"] > 0 and 0 < r["accepted"] <= r["drafted"]

@@ -98,7 +98,7 @@ def _check_bound_shapes(plan: lowering.Plan) -> None:
         storage = _storage_name(u.buffer)
         if storage == u.buffer:
             continue
-        size = tuple(int(s) for s in V.graph.get_buffer(storage).get_size())
+        size = tuple(_static(V.graph.get_buffer(storage).get_size(), storage))
         if size != tuple(u.shape):
             raise lowering.Unsupported(
                 f"a store of {u.buffer} {list(u.shape)} into part of {storage} {list(size)}"
