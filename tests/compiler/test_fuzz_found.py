@@ -633,3 +633,122 @@ def test_a_row_write_into_a_dense_copy_of_a_strided_slice(write):
     v2 = torch.rand(65, generator=g).argsort(dim=0)[:3]
     v3 = torch.rand(1, 17, 3, generator=g) * 4 - 2
     _check(fn, v0, v2, lambda d: v3.to(d).transpose(0, 2))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["sdpa_default_scale", "cat_last_dim", "pad_last_dim", "index_put"],
+)
+def test_symbolic_sizes_compile_to_the_cpu_answer(name):
+    """``dynamic=True`` (every size symbolic, as automatic dynamic shapes makes
+    them on a recompile): the sizes are specialised and the answer is the
+    CPU's.  Each case failed in the first ``--dynamic`` runs: SDPA's default
+    scale 1/sqrt(E) became 0 (long seed 1094, **a silent wrong answer**); a
+    cat's and a pad's lane tables (CI seeds 34, 38, ...), an eager
+    index_put's origin (CI seed 121) and the host path (long seeds 2152,
+    2173, ...) refused symbolic sizes.  fp32: tight."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 16, 48, generator=g), torch.randn(1, 16, 48, generator=g)
+    v = torch.randn(1, 16, 4, generator=g)
+    cases = {
+        "sdpa_default_scale": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k, v)),
+        "cat_last_dim": (lambda a, b: torch.cat([a * 2, b.exp()], dim=-1), (q, v)),
+        "pad_last_dim": (lambda a: F.pad(a.tanh(), (3, 2), value=0.5), (v,)),
+        "index_put": (
+            lambda x, i, y: torch.ops.aten.index_put(x, [None, i], y, True).sin(),
+            (q[0], torch.tensor([3, 3, 40]), torch.randn(16, 3, generator=g)),
+        ),
+    }
+    fn, args = cases[name]
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, dynamic=True)(*[a.to("spyre") for a in args])
+    torch.testing.assert_close(got.cpu(), fn(*args))
+
+
+def test_in_place_write_on_a_view_of_an_input_under_symbolic_sizes():
+    """Long seed 3102 (``--dynamic``), minimised: ``index_put`` on a
+    transposed slice of an input (a storage offset of 2) is made in place on
+    a copy of the input's storage and read back at the slice's offset, an
+    ``aten.sym_storage_offset`` node under dynamic shapes, which Inductor has
+    no lowering for: its value reached ``as_strided`` as 0 and the answer was
+    read from the wrong elements, **a silent wrong answer**
+    (``compiler._register_storage_offset_lowering``).  fp32: exact."""
+    g = torch.Generator().manual_seed(3102)
+    base = torch.rand(5, 1, 1, 2, generator=g) * 4 - 2
+    idx = torch.tensor([1])
+    vals = torch.rand(1, 2, 2, 1, generator=g) * 4 - 2
+
+    def fn(x, i, v):
+        return x.transpose(3, 2).index_put((i,), v, accumulate=False)
+
+    want = fn(base[1:3], idx, vals[:, ::2])
+    torch._dynamo.reset()
+    dev, dvals = base.to("spyre"), vals.to("spyre")
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    got = compiled(dev[1:3], idx.to("spyre"), dvals[:, ::2])
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_eager_write_into_a_view_of_an_input_under_symbolic_sizes():
+    """Long seed 4077 (``--dynamic``), minimised: ``v0.unsqueeze(0)
+    .index_copy(2, ...)`` with the view also returned runs as an eager node
+    whose written copy is the view's value; under dynamic shapes the copy's
+    FX node was not recognised (its size printed as 130, the buffer's as
+    ``s18``), so the node re-ran the unsqueeze on the copy and the write
+    failed on a 4-d tensor.  Sizes are compared as ints.  fp32: exact."""
+    g = torch.Generator().manual_seed(4077)
+    x = torch.rand(130, 96, generator=g) * 4 - 2
+    idx = torch.tensor([5, 70])
+    v = torch.rand(1, 130, 2, generator=g) * 4 - 2
+
+    def fn(x, i, v):
+        view = x.unsqueeze(0)
+        return view, view.index_copy(2, i, v)
+
+    want = fn(x, idx, v)
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, dynamic=True)(*(t.to("spyre") for t in (x, idx, v)))
+    for w, o in zip(want, got):
+        torch.testing.assert_close(o.cpu(), w, rtol=0, atol=0)
+
+
+def test_size_arithmetic_on_specialised_sizes_under_symbolic_sizes():
+    """Long seed 5490 (``--dynamic``), minimised: a cat of a slice and its
+    tensor (its lane tables specialise the sizes), then ``torch.roll``, whose
+    index arithmetic (``operator.mod`` of sizes) re-propagated to plain ints;
+    Inductor's lowering of ``mod`` computes with sympy and failed on ints (an
+    aborted compile).  Plain ints are computed with the operator
+    (``compiler._register_plain_scalar_arithmetic``).  fp32: exact."""
+    x = torch.rand(1006, generator=torch.Generator().manual_seed(5490)) * 4 - 2
+
+    def fn(v):
+        return torch.roll(torch.cat([v[1005:], v], dim=0), -1, 0)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, dynamic=True)(x.to("spyre"))
+    torch.testing.assert_close(got.cpu(), fn(x), rtol=0, atol=0)
+
+
+def test_index_copy_with_a_view_of_its_tensor_returned():
+    """Long seed 6289 (found by ``--dynamic``; also static), minimised: ``v =
+    maximum(x, x)``, a slice of ``v`` returned and ``v.index_copy(1, ...)``:
+    Inductor's reinplacing (torch 2.13, on its CPU backend too) made the
+    functional ``index_put`` write ``v`` in place, and the slice returned
+    read the written values, **a silent wrong answer**.  The functional op
+    writes its own copy (``passes._index_put_in_place``).  fp32: exact."""
+    g = torch.Generator().manual_seed(6289)
+    x = torch.rand(31, 96, generator=g) * 4 - 2
+    idx = torch.rand(96, generator=g).argsort()[:7]
+    vals = torch.rand(31, 7, generator=g) * 4 - 2
+
+    def fn(x, i, v):
+        m = torch.maximum(x, x)
+        return m[:, 27:75][7:24], m.index_copy(1, i, v)
+
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        got = torch.compile(fn, fullgraph=True, dynamic=dynamic)(
+            *(t.to("spyre") for t in (x, idx, vals))
+        )
+        for w, o in zip(fn(x, idx, vals), got):
+            torch.testing.assert_close(o.cpu(), w, rtol=0, atol=0)

@@ -52,6 +52,28 @@ def test_ci_seed_set_passes():
     print(f"\nfuzz CI seed set: {CI_GRAPHS} graphs, {CI_BATCH} per compile, {elapsed:.0f} s")
 
 
+#: the automatic-dynamic sample: graphs compiled with every size symbolic (a
+#: recompile after a size changed), which the compiler specialises
+DYNAMIC_GRAPHS = 180
+
+
+@pytest.mark.slow
+def test_dynamic_seed_sample_passes():
+    """The first DYNAMIC_GRAPHS graphs of the CI seed set compiled with
+    ``dynamic=True``, every output within the oracle's tolerance.  Its first
+    run found a cat's lane tables and an eager index_put refusing symbolic
+    sizes, and an attention's 1/sqrt(head dim) truncated to 0 (a wrong answer)."""
+    quiet()
+    outcomes = []
+    with fresh_cache():
+        for first in range(0, DYNAMIC_GRAPHS, CI_BATCH):
+            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
+            results, _ = check_many(graphs, seed=first, dynamic=True)
+            outcomes += [(first + i, r) for i, r in enumerate(results)]
+    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
+    assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
+
+
 #: the routing sample: the first graphs of the whole grammar that use one of
 #: its later ops (top-k and sort, attention, row writes; ``ops/routing.py``)
 ROUTING_GRAPHS = 60
@@ -170,8 +192,8 @@ def test_a_wrong_answer_is_a_mismatch(monkeypatch):
 
     real = runner.run_compiled
 
-    def wrong(graph, inputs):
-        outs = real(graph, inputs)
+    def wrong(graph, inputs, **kw):
+        outs = real(graph, inputs, **kw)
         bad = outs[0].cpu().clone()
         bad[1, 0] *= 1 + 10 * 2.0**-23 * 50
         return [bad.to(outs[0].device)]

@@ -136,7 +136,70 @@ def register() -> None:
         device_custom_pass=SpyreGraphPass(),
     )
     register_device_op_overrides("spyre", SpyreDeviceOpOverrides())
+    _register_storage_offset_lowering()
+    _register_plain_scalar_arithmetic()
     _registered = True
+
+
+def _register_plain_scalar_arithmetic() -> None:
+    """Inductor's lowerings of Python's arithmetic operators on sizes
+    (``operator.mod`` and the other magic methods) compute with sympy's
+    functions, and fail when every argument is a plain int (``_sympy_mod``:
+    "'int' object has no attribute 'is_nonnegative'"): a graph whose sizes
+    this backend specialised (a lane table's, a pad's) re-propagates its size
+    arithmetic to ints (``torch.roll``'s index arithmetic, fuzzer
+    ``--dynamic`` long seed 5490, an aborted compile).  Plain ints are
+    computed with the operator itself; anything symbolic goes to Inductor's
+    lowering.  No public hook wraps a lowering: ``lowerings`` is Inductor's
+    own registry (pinned in tests/compiler/test_fuzz_found.py)."""
+    import operator
+
+    from torch._inductor import lowering
+
+    for op in list(lowering.lowerings):
+        if getattr(op, "__module__", None) not in ("_operator", "operator"):
+            continue
+        if not hasattr(operator, getattr(op, "__name__", "")):
+            continue
+        inner = lowering.lowerings[op]
+        if getattr(inner, "_spyre_plain", False):
+            continue
+
+        def plain(*args, _inner=inner, _op=op, **kwargs):
+            if not kwargs and all(type(a) in (int, float, bool) for a in args):
+                return _op(*args)
+            return _inner(*args, **kwargs)
+
+        plain._spyre_plain = True  # type: ignore[attr-defined]
+        lowering.lowerings[op] = plain
+
+
+def _register_storage_offset_lowering() -> None:
+    """A lowering of ``aten.sym_storage_offset`` as Inductor lowers
+    ``sym_size`` and ``sym_stride``: the FX node's symbolic value.
+
+    Inductor registers none for it (torch 2.13 and 2.14), and an in-place op
+    on a view of a graph input under dynamic shapes (an ``index_put`` on a
+    transposed slice, made in place by ``passes._index_put_in_place``) is
+    decomposed with the view's storage offset as such a node: without a
+    lowering its value reached ``as_strided`` as 0 and the result was read
+    from the wrong elements, **a silent wrong answer** (fuzzer ``--dynamic``,
+    long seed 3102; pinned in tests/compiler/test_fuzz_found.py).  No public
+    hook adds a lowering: ``register_lowering`` is Inductor's own registry.
+    Device-independent (the value is the node's), and left alone if a later
+    torch registers one."""
+    import torch
+    from torch._inductor import lowering
+    from torch._inductor.virtualized import V
+
+    op = torch.ops.aten.sym_storage_offset.default
+    if op in lowering.lowerings:
+        return
+
+    @lowering.register_lowering(op)
+    def sym_storage_offset(a):
+        val = V.graph.current_node.meta["val"]
+        return val.node.expr if isinstance(val, torch.SymInt) else int(val)
 
 
 #: module -> what to register once it has loaded (Inductor's compile_fx is

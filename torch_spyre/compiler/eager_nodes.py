@@ -25,6 +25,7 @@ import torch
 from torch._inductor import ir
 from torch._inductor.virtualized import V
 
+from torch_spyre.compiler.nodes import _static
 from torch_spyre.kernels.search import Unsupported
 
 #: names FX's generated code may use, and the runtime gives it
@@ -52,13 +53,18 @@ def origin_node(buf) -> torch.fx.Node | None:
         node = None  # the copy a scatter writes into: its value is the scatter's input
     if node is None:
         try:
-            size = [str(s) for s in buf.get_size()]
+            size = _static(buf.get_size(), buf.get_name())
         except NotImplementedError:  # a buffer with no layout (a mutation's marker)
+            return None
+        except Exception:  # noqa: BLE001 - a data-dependent size: no guess
             return None
 
         def shaped(o: torch.fx.Node) -> bool:
+            # sizes compared as ints (automatic dynamic shapes: a symbolic one
+            # is specialised, as the planner specialises every size; an FX
+            # value may hold the int where the buffer holds the symbol)
             val = o.meta.get("val")
-            return isinstance(val, torch.Tensor) and [str(s) for s in val.shape] == size
+            return isinstance(val, torch.Tensor) and _same_sizes(val.shape, size)
 
         # a scatter's mutation of the buffer it writes is that op's value
         mutation = isinstance(buf.get_output_spec(), ir.MutationLayoutSHOULDREMOVE)
@@ -210,7 +216,7 @@ def _holds_contiguously(buf, node: torch.fx.Node) -> bool:
         lay = buf.get_layout()
     except (AttributeError, NotImplementedError):
         return False
-    sizes = [int(s) for s in lay.size]
+    sizes = _static(lay.size, "a held buffer")
     return math.prod(sizes) == val.numel() and lay.is_contiguous()
 
 
@@ -346,15 +352,26 @@ def _check_no_stale_read(order, held, name: str, root=None) -> None:
 
 
 def _matches(val, buf) -> bool:
+    if not isinstance(val, torch.Tensor):
+        return False
     try:
-        size = [str(s) for s in buf.get_size()]
+        size = _static(buf.get_size(), buf.get_name())
     except NotImplementedError:  # no layout of its own (a mutation's marker)
         return False
-    return (
-        isinstance(val, torch.Tensor)
-        and [str(s) for s in val.shape] == size
-        and val.dtype == buf.get_dtype()
-    )
+    except Exception:  # noqa: BLE001 - a data-dependent size: never a match
+        return False
+    return _same_sizes(val.shape, size) and val.dtype == buf.get_dtype()
+
+
+def _same_sizes(fx_shape, size: list[int]) -> bool:
+    """An FX value's shape against a buffer's sizes (ints): compared as ints,
+    as under dynamic shapes a specialised FX size prints as its value (130)
+    where the buffer's prints as its symbol (s18).  A data-dependent size
+    (an unbacked symbol, which no guard may specialise) matches nothing."""
+    try:
+        return _static(fx_shape, "an FX value") == size
+    except Exception:  # noqa: BLE001 - GuardOnDataDependentSymNode and the like
+        return False
 
 
 def _value_of(node: torch.fx.Node | None, buf) -> torch.fx.Node | None:
@@ -423,9 +440,9 @@ def _welford_output(g: torch.fx.Graph, x: torch.fx.Node, fx_op, index: int, size
         n = 1
         shape = fx_op.args[0].meta["val"].shape
         for d in dims:
-            n *= int(shape[d])
+            n *= _static([shape[d]], "a reduction")[0]
         out = call(_aten.add.Tensor, (call(_aten.mul.Tensor, (mean, 0.0)), float(n)))
-    return call(_aten.reshape.default, (out, [int(s) for s in size]))
+    return call(_aten.reshape.default, (out, _static(size, "a reduction")))
 
 
 #: the largest graph constant an eager node writes into its code
@@ -467,8 +484,8 @@ def function_source(snode) -> tuple[str, str, list[str]]:
     layout = buf.get_output_spec()
     if isinstance(layout, ir.MutationLayoutSHOULDREMOVE):
         target = layout.get_buffer()
-        if math.prod(int(s) for s in target.get_size()) != math.prod(
-            int(s) for s in buf.get_size()
+        if math.prod(_static(target.get_size(), target.get_name())) != math.prod(
+            _static(buf.get_size(), name)
         ):
             # a copy into part of another buffer (a view an in-place op wrote):
             # the FX value is the part, the store is through the view
@@ -537,7 +554,8 @@ def function_source(snode) -> tuple[str, str, list[str]]:
             # a held buffer may be laid out in another shape of the same
             # elements (a matmul's [512, 8] output the FX graph views as
             # [16, 32, 8]): read it in the FX node's shape
-            env[n] = g.call_function(_aten.reshape.default, (env[n], [int(d) for d in val.shape]))
+            shape = _static(val.shape, n.name)
+            env[n] = g.call_function(_aten.reshape.default, (env[n], shape))
     if through_view is not None:
         env[through_view] = g.call_function(torch.ops.aten.clone.default, (env[through_view],))
     result = None

@@ -31,6 +31,7 @@ from torch._inductor import ir
 from torch._inductor.codegen.common import PythonPrinter
 from torch._inductor.virtualized import OpsValue, V
 
+from torch_spyre.compiler.nodes import _simplify, _static
 from torch_spyre.kernels.search import Unsupported
 
 #: names the generated code uses (runtime.compiled.run_host provides them)
@@ -135,7 +136,8 @@ class _Writer:
         raise Unsupported(f"spyre compiler: host code for an operand {type(a).__name__}")
 
     def _index(self, expr) -> str:
-        expr = sympy.sympify(expr)
+        # size symbols (automatic dynamic shapes) specialised, with a guard
+        expr = _simplify(sympy.sympify(expr))
         return _printer.doprint(expr)
 
     def __getattr__(self, op: str):
@@ -192,6 +194,7 @@ class _Writer:
     def indirect_indexing(self, x, size, check=True, wrap_neg=True):
         name = self._new(f"{self._arg(x)}.long()")
         if wrap_neg:
+            size = _static([size], "an index")[0]
             self.lines.append(f"{name} = torch.where({name} < 0, {name} + {size}, {name})")
         return sympy.Symbol(name, integer=True)
 
@@ -250,8 +253,7 @@ def _reduce(w: _Writer, kind: str, value: str, full: list[int], npoint: int):
 def function_source(snode) -> tuple[str, str, list[str]]:
     """(name, Python source computing ``snode``'s buffer on the host from the
     storage of the buffers it reads, the wrapper variables to call it with).
-    Unsupported for IR this writer does not cover (scatters, scans, sorts,
-    dynamic shapes)."""
+    Unsupported for IR this writer does not cover (scatters, scans, sorts)."""
     buf = snode.node
     name = buf.get_name()
     data = getattr(buf, "data", None)
@@ -262,11 +264,9 @@ def function_source(snode) -> tuple[str, str, list[str]]:
         ir.WelfordReduction,
     ):
         raise Unsupported(f"spyre compiler: no host code for {name} ({type(data).__name__})")
-    try:
-        ranges = [int(s) for s in data.ranges]
-        rranges = [int(s) for s in getattr(data, "reduction_ranges", ())]
-    except TypeError:
-        raise Unsupported(f"spyre compiler: no host code for {name}: dynamic shapes") from None
+    # symbolic sizes (automatic dynamic shapes) specialised, with a guard
+    ranges = _static(data.ranges, name)
+    rranges = _static(getattr(data, "reduction_ranges", ()), name)
     params: dict[str, str] = {}  # buffer -> parameter, in the order loads read them
     # a buffer written in place by a scatter is held under that one's name
     scheduler = V.graph.scheduler

@@ -501,7 +501,14 @@ class ProgramBuilder(LaneSteps):
         operands, one per dim) scaled and summed on the vector unit."""
         expr = sympy.expand(sympy.sympify(self.simplify(expr)))
         if expr.is_number:
-            return Scal(int(expr), dtype)
+            # a size expression (an attention's 1/sqrt(head dim) under
+            # automatic dynamic shapes, its size specialised): whole, or a
+            # float for a float value (int() truncated 0.38 to 0, a wrong answer)
+            if expr.is_integer:
+                return Scal(int(expr), dtype)
+            if not dtype.is_floating_point:
+                raise Unsupported(f"index expression {expr} as a {dtype} value")
+            return Scal(float(expr), dtype)
         acc = None
         rest = expr
         for s in sorted(expr.free_symbols, key=lambda x: x.name):

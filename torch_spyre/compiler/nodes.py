@@ -13,6 +13,7 @@ import logging
 import math
 
 import sympy
+import torch
 from torch._inductor import ir
 from torch._inductor.scheduler import BaseSchedulerNode
 from torch._inductor.virtualized import V
@@ -32,6 +33,8 @@ def _static(values, what: str) -> list[int]:
     kernel programs are planned for static shapes."""
     out = []
     for v in values:
+        if isinstance(v, torch.SymInt):  # an FX value's size: its expression
+            v = v.node.expr
         if isinstance(v, int) or getattr(v, "is_Integer", False):
             out.append(int(v))
             continue

@@ -175,7 +175,15 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
             # another reader of the old value: Inductor may lower it lazily and
             # realize it only when the in-place write marks x mutated, after
             # the write (fuzzer seed 400362: a wrong answer); the functional
-            # op keeps its own copy
+            # op keeps its own copy, made explicit: Inductor's own reinplacing
+            # (torch 2.13) turned it into ``index_put_`` on ``x`` while a view
+            # of ``x`` was still to be returned (fuzzer seed 6289, a wrong
+            # answer on Inductor's CPU backend too)
+            with gm.graph.inserting_before(node):
+                own = gm.graph.call_function(torch.ops.aten.clone.default, (x,))
+            own.meta["val"] = x.meta.get("val").clone() if x.meta.get("val") is not None else None
+            node.replace_input_with(x, own)
+            changed = True
             continue
         with gm.graph.inserting_before(node):
             xv = x.meta.get("val")
@@ -317,7 +325,10 @@ def _rewrite_lane_shuffles(gm: torch.fx.GraphModule) -> bool:
             continue
         x, pieces = found
         xv = x.meta["val"]
-        d = xv.shape[-1]
+        # sizes as ints: a symbolic one (automatic dynamic shapes) is
+        # specialised with a guard, as the planner specialises every size
+        d = int(xv.shape[-1])
+        pieces = [(sign, int(s), int(e)) for sign, s, e in pieces]
         dout = sum(e - s for _, s, e in pieces)
         perm = torch.zeros(d, dout, dtype=xv.dtype)
         col = 0
@@ -360,7 +371,8 @@ def _lane_place(gm, piece: torch.fx.Node, width: int, col: int, fake_mode) -> to
     """``piece`` [..., w] with its columns placed at ``col..col+w`` of a
     [..., width] tensor of zeros: ``piece @ E`` on the PE array."""
     pv = piece.meta["val"]
-    w = pv.shape[-1]
+    # ints: symbolic sizes (automatic dynamic shapes) specialised with a guard
+    w, width, col = int(pv.shape[-1]), int(width), int(col)
     table = torch.zeros(w, width, dtype=pv.dtype)
     table[torch.arange(w), col + torch.arange(w)] = 1
     t_node = _constant(gm, "_spyre_lane_scatter", table, pv, fake_mode)
@@ -495,9 +507,9 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             dim, start, end, step = rest + [0, None, None, 1][len(rest) :]
             if not _last_dim(node, dim) or step != 1 or src.meta["val"].dtype != val.dtype:
                 continue
-            d = val.shape[-1]
-            start = 0 if start is None else (start + d if start < 0 else start)
-            end = d if end is None else min(end + d if end < 0 else end, d)
+            d = int(val.shape[-1])  # a symbolic size: specialised with a guard
+            start = 0 if start is None else int(start + d if start < 0 else start)
+            end = d if end is None else min(int(end + d if end < 0 else end), d)
             if src.meta["val"].shape != (*val.shape[:-1], end - start):
                 continue
             if may_be_infinite(src, gm, inf_memo):
@@ -537,8 +549,9 @@ def _rewrite_stick_cats(gm: torch.fx.GraphModule) -> bool:
             with gm.graph.inserting_before(node):
                 total = _lane_place(gm, x, val.shape[-1], pad[0], fake_mode)
                 if value:
-                    fill = torch.full((val.shape[-1],), float(value), dtype=val.dtype)
-                    fill[pad[0] : val.shape[-1] - pad[1]] = 0
+                    width = int(val.shape[-1])
+                    fill = torch.full((width,), float(value), dtype=val.dtype)
+                    fill[int(pad[0]) : width - int(pad[1])] = 0
                     f_node = _constant(gm, "_spyre_pad_fill", fill, val, fake_mode)
                     placed, total = total, gm.graph.call_function(aten.add.Tensor, (total, f_node))
                     with fake_mode:
@@ -565,7 +578,7 @@ def _pad_as_cat(gm, x: torch.fx.Node, pad: list[int], value, val, fake_mode) -> 
             continue
         if not width:
             continue
-        shape = [*xv.shape[:-1], width]
+        shape = [*(int(s) for s in xv.shape[:-1]), int(width)]  # specialised
         kw = {"dtype": xv.dtype, "device": xv.device}
         f = gm.graph.call_function(aten.full.default, (shape, value), kw)
         with fake_mode:

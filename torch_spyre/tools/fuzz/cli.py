@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--in-process", action="store_true", help="no worker process (a crash ends the run)"
     )
+    p.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="compile with dynamic=True (every size symbolic, as automatic dynamic "
+        "shapes makes them when a size changes)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the summary as JSON here")
     p.add_argument("-q", "--quiet", action="store_true")
     return p
@@ -61,34 +67,36 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- the worker --------------------------------------------------------------------------
 
 
-def _run_batch(seeds: list[int], config: str) -> list[dict]:
+def _run_batch(seeds: list[int], config: str, dynamic: bool = False) -> list[dict]:
     from torch_spyre.tools.fuzz.runner import check_many, quiet
 
     quiet()
     graphs = [generate(s, CONFIGS[config]) for s in seeds]
-    results, _ = check_many(graphs, seed=seeds[0])
+    results, _ = check_many(graphs, seed=seeds[0], dynamic=dynamic)
     return [asdict(r) for r in results]
 
 
-def _worker(conn, config: str) -> None:
+def _worker(conn, config: str, dynamic: bool) -> None:
     while True:
         seeds = conn.recv()
         if seeds is None:
             return
-        conn.send(_run_batch(seeds, config))
+        conn.send(_run_batch(seeds, config, dynamic))
 
 
 class Worker:
     """A child process running batches; restarted when it dies."""
 
-    def __init__(self, config: str, timeout: float = 600.0) -> None:
-        self.config, self.timeout = config, timeout
+    def __init__(self, config: str, timeout: float = 600.0, dynamic: bool = False) -> None:
+        self.config, self.timeout, self.dynamic = config, timeout, dynamic
         self.ctx = multiprocessing.get_context("spawn")
         self.proc = None
 
     def _start(self) -> None:
         self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child, self.config), daemon=True)
+        self.proc = self.ctx.Process(
+            target=_worker, args=(child, self.config, self.dynamic), daemon=True
+        )
         self.proc.start()
 
     def run(self, seeds: list[int]) -> list[dict]:
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch_spyre.tools.fuzz.runner import check, quiet
 
     quiet()
-    worker = None if args.in_process else Worker(args.config)
+    worker = None if args.in_process else Worker(args.config, dynamic=args.dynamic)
     start = time.monotonic()
     deadline = start + 60 * args.minutes
     seed = args.seed
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             n = args.batch if args.graphs is None else min(args.batch, args.graphs - ran)
             seeds = list(range(seed, seed + n))
             seed += n
-            results = worker.run(seeds) if worker else _run_batch(seeds, args.config)
+            results = worker.run(seeds) if worker else _run_batch(seeds, args.config, args.dynamic)
             ran += n
             for s, r in zip(seeds, results):
                 totals[r["status"]] += 1
@@ -168,19 +176,23 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_minimise or r["status"] == "crash" and "worker" in r["detail"]:
                     continue
                 g = generate(s, CONFIGS[args.config])
-                first = check(g)
+                first = check(g, dynamic=args.dynamic)
                 if not first.failed:
                     seen[sig]["case"] = "fails only merged with other graphs (not minimised)"
                     continue
                 say(f"  minimising seed {s} ({g.describe()})")
                 small = minimise(
                     g,
-                    lambda c, first=first: same_failure(check(c), first),
+                    lambda c, first=first: same_failure(check(c, dynamic=args.dynamic), first),
                     budget_s=args.minimise_budget,
                     log=say,
                 )
+                kind = f"{first.status}_dynamic" if args.dynamic else first.status
                 path = write_case(
-                    small, check(small), args.cases / f"test_fuzz_{first.status}_{s}.py"
+                    small,
+                    check(small, dynamic=args.dynamic),
+                    args.cases / f"test_fuzz_{kind}_{s}.py",
+                    dynamic=args.dynamic,
                 )
                 seen[sig]["case"] = str(path)
                 say(f"  wrote {path} ({small.describe()})")
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(elapsed, 1),
         "first_seed": args.seed,
         "config": args.config,
+        "dynamic": args.dynamic,
         "outcomes": dict(totals),
         "degraded": dict(degraded),
         "host_fallbacks": int(host),

@@ -191,7 +191,8 @@ def _refs(n: Node) -> list[int]:
 
 # ---- inputs --------------------------------------------------------------------------
 #
-# attrs: shape (entries: size or [node, dim]); kind: "float" (lo, hi, dtype),
+# attrs: shape (entries: size or [node, dim]); kind: "float" (lo, hi, dtype;
+# distinct: every value different, for an input a sort's indices are taken of),
 # "index" (high: size or [node, dim]; unique: dim along which values are
 # distinct, or None) or "mask" (p: probability of True); layout: "contiguous",
 # "transposed" (dims a, b: stored with them swapped), "strided" (dim: every
@@ -260,7 +261,18 @@ def _input_code(g: Graph, n: Node) -> tuple[str, str]:
     if kind == "float":
         lo, hi = n.lo, n.hi
         dt = "" if n.dtype == "float32" else f".to(torch.{n.dtype})"
-        base = f"(torch.rand({size}, generator=g) * {hi - lo!r} + {lo!r}){dt}"
+        if a.get("distinct"):
+            # every value distinct (an index a sort returns must not depend on
+            # how a device orders ties; torch.rand's 2**-24 grid ties about
+            # once in 10,000 rows of 60, long seed 5000): a random
+            # permutation of evenly spaced values, far more than an ulp apart
+            count = math.prod(base_shape)
+            base = (
+                f"(torch.randperm({count}, generator=g).reshape({size}).float()"
+                f" * {(hi - lo) / count!r} + {lo!r}){dt}"
+            )
+        else:
+            base = f"(torch.rand({size}, generator=g) * {hi - lo!r} + {lo!r}){dt}"
     elif kind == "index":
         high = int(n.hi) + 1
         unique = a.get("unique")

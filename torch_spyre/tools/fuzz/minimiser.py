@@ -225,9 +225,12 @@ def _cost(g: Graph) -> int:
     return sum(n.numel for n in g.nodes)
 
 
-def write_case(graph: Graph, outcome: Outcome, path: Path, xfail: str | None = None) -> Path:
+def write_case(
+    graph: Graph, outcome: Outcome, path: Path, xfail: str | None = None, dynamic: bool = False
+) -> Path:
     """``graph`` as a pytest file at ``path``: compiled (and eager) on spyre
-    against the CPU, at the tolerances the oracle measures now (frozen)."""
+    against the CPU, at the tolerances the oracle measures now (frozen);
+    ``dynamic``: compiled with ``dynamic=True``, as the fuzzer found it."""
     _, make_inputs, _ = build(graph)
     ref = reference(graph, make_inputs("cpu"))
     atols = [float(f"{a:.3g}") for a in ref.atol]
@@ -254,7 +257,7 @@ ATOL = {atols!r}
     torch._dynamo.reset()
     want = fn(*make_inputs("cpu"))
     eager = fn(*make_inputs("spyre"))
-    got = torch.compile(fn, fullgraph=True, dynamic=False)(*make_inputs("spyre"))
+    got = torch.compile(fn, fullgraph=True, dynamic={dynamic})(*make_inputs("spyre"))
     for w, e, g, atol in zip(want, eager, got, ATOL):
         torch.testing.assert_close(e.cpu(), w, rtol=0, atol=atol)
         torch.testing.assert_close(g.cpu(), w, rtol=0, atol=atol)

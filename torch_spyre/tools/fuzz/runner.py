@@ -2,7 +2,9 @@
 
 ``check(graph)`` runs the graph on the CPU (the reference, ``oracle.py``),
 eagerly on spyre and under ``torch.compile`` on spyre (``fullgraph=True,
-dynamic=False``), compares every output, and returns an ``Outcome``:
+dynamic=False``; ``dynamic=True``: every size symbolic, as automatic dynamic
+shapes makes them on a recompile, which the compiler specialises), compares
+every output, and returns an ``Outcome``:
 
 * ``pass``: both spyre runs match the reference;
 * ``mismatch``: the compiled graph gives a wrong answer (a compiler bug);
@@ -96,16 +98,21 @@ def _chain(err: BaseException):
         err = err.__cause__ or err.__context__
 
 
-def run_compiled(graph: Graph, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def run_compiled(
+    graph: Graph, inputs: list[torch.Tensor], dynamic: bool = False
+) -> list[torch.Tensor]:
     fn, _, _ = build(graph)
     torch._dynamo.reset()
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     with torch.no_grad():
         return list(compiled(*inputs))
 
 
-def check(graph: Graph, compiled: bool = True, eager: bool = True) -> Outcome:
-    """Run ``graph`` on the CPU, eagerly on spyre and compiled on spyre."""
+def check(
+    graph: Graph, compiled: bool = True, eager: bool = True, dynamic: bool = False
+) -> Outcome:
+    """Run ``graph`` on the CPU, eagerly on spyre and compiled on spyre
+    (``dynamic``: with symbolic sizes)."""
     # each graph starts on a working card: a kernel that failed on it for the
     # previous graph left it in its stream error until reset
     torch.spyre.reset_device_state()
@@ -136,7 +143,7 @@ def check(graph: Graph, compiled: bool = True, eager: bool = True) -> Outcome:
             before = Counter(degrade.counts())
             fb_before = sum(dispatch_stats.counts("fallback").values())
             try:
-                got = run_compiled(graph, make_inputs("spyre"))
+                got = run_compiled(graph, make_inputs("spyre"), dynamic=dynamic)
             except Exception as err:  # noqa: BLE001
                 status = COMPILE_ERROR if _is_compile_error(err) else CRASH
                 out.status, out.detail = status, _short(err)
@@ -161,21 +168,23 @@ def _outputs_of(graph: Graph, keep: list[int]) -> Graph:
     return g
 
 
-def check_many(graphs: list[Graph], seed: int = 0) -> tuple[list[Outcome], Outcome]:
+def check_many(
+    graphs: list[Graph], seed: int = 0, dynamic: bool = False
+) -> tuple[list[Outcome], Outcome]:
     """One merged run of ``graphs``; each graph's outcome, and the merged one.
 
     A merged run that fails is bisected down to the graphs that fail alone;
     if none fails alone, the merged failure is reported against every graph
     of the half that failed (the bug needs them together)."""
     merged, spans = merge(graphs, seed=seed)
-    whole = check(merged)
+    whole = check(merged, dynamic=dynamic)
     if not whole.failed:
         return [Outcome(PASS, ratio=whole.ratio) for _ in graphs], whole
     if len(graphs) == 1:
         return [whole], whole
     mid = len(graphs) // 2
-    left, _ = check_many(graphs[:mid], seed)
-    right, _ = check_many(graphs[mid:], seed + 1)
+    left, _ = check_many(graphs[:mid], seed, dynamic)
+    right, _ = check_many(graphs[mid:], seed + 1, dynamic)
     results = left + right
     if not any(r.failed for r in results):
         results = [Outcome(whole.status, "only when merged: " + whole.detail) for _ in graphs]

@@ -20,9 +20,10 @@ from torch_spyre.tools.fuzz.ops.indexing import _code_index
 
 
 def _plain_input(n) -> bool:
-    """A float32 graph input with (almost surely) distinct values: an index
-    the selection returns is then the same on every device (fp16 inputs of a
-    hundred elements tie, and an expanded input repeats its values)."""
+    """A float32 graph input, not expanded: its values are made distinct
+    (``distinct``) so that an index the selection returns is the same on
+    every device (fp16 inputs of a hundred elements tie, and an expanded
+    input repeats its values)."""
     return (
         n.op == "input"
         and n.attrs["kind"] == "float"
@@ -38,6 +39,8 @@ def _sample_select(b):
     if x is None:
         return None
     xn = b.g.nodes[x]
+    if kind in ("topk_indices", "argsort"):
+        xn.attrs["distinct"] = True  # its indices do not depend on ties
     rank = len(xn.shape)
     if rank == 0:
         return None
