@@ -156,13 +156,12 @@ def _register_plain_scalar_arithmetic() -> None:
 
     from torch._inductor import lowering
 
-    for op in list(lowering.lowerings):
-        if getattr(op, "__module__", None) not in ("_operator", "operator"):
-            continue
-        if not hasattr(operator, getattr(op, "__name__", "")):
-            continue
-        inner = lowering.lowerings[op]
-        if getattr(inner, "_spyre_plain", False):
+    # arithmetic only: a comparison's lowering returns sympy's booleans
+    arithmetic = (operator.add, operator.sub, operator.mul, operator.truediv,
+                  operator.floordiv, operator.mod, operator.pow, operator.neg)  # fmt: skip
+    for op in arithmetic:
+        inner = lowering.lowerings.get(op)
+        if inner is None or getattr(inner, "_spyre_plain", False):
             continue
 
         def plain(*args, _inner=inner, _op=op, **kwargs):
