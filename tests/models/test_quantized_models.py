@@ -113,8 +113,8 @@ def test_compressed_tensors_checkpoint_keeps_8bit_weights_and_matches_transforme
 
 @pytest.mark.slow  # a compiled 2-layer model (~20-40 s on 2 cores)
 @pytest.mark.skipif(not HAVE_CT, reason="compressed-tensors is not installed (vllm extra)")
-def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpoint, tmp_path):
-    from torch_spyre.compiler import precompiled, scheduling
+def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpoint):
+    from torch_spyre.compiler import scheduling
 
     ref = models.load_reference(ct_wide_checkpoint, kind="causal-lm")
     dev = models.load(ct_wide_checkpoint, kind="causal-lm", compile=True)
@@ -123,18 +123,14 @@ def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpo
     }
     torch._dynamo.reset()
     scheduling.PLANS.clear()
-    # plan, do not replay: neither Inductor's graph cache nor a forward
-    # precompiled by an earlier run (its key names the checkpoint's path, which
-    # a fresh /tmp hands out again) may stand in for the compile.  The plain
+    # plan, do not replay: neither Inductor's graph cache nor a precompiled
+    # forward (saved by an earlier run: its key names the checkpoint's path,
+    # which a fresh /tmp hands out again) stands in for the compile.  The plain
     # torch.compile path: inside the whole suite the ahead-of-time compile
     # built both graphs and still recorded no plan here (stop 48, cause not
     # found); test_precompiled.py checks that path gives the same modelled times
-    with (
-        torch._inductor.config.patch(fx_graph_cache=False),
-        settings.override(cache_dir=str(tmp_path / "cache"), precompile=False),
-    ):
+    with torch._inductor.config.patch(fx_graph_cache=False), settings.override(precompile=False):
         _check(dev, ref)
-    stats = precompiled.summary(dev)
     progs = [p.program for p in scheduling.PLANS]
     # every projection reads its fp8 weight in its matmul program
     fp8_mm = [
@@ -144,7 +140,7 @@ def test_compressed_tensors_checkpoint_compiles_with_no_fallback(ct_wide_checkpo
         and any(type(s).__name__ == "Matmul" for s in p.steps)
     ]
     # q, k, v, o, gate, up, down per layer (decode and prefill)
-    assert len(fp8_mm) >= 7 * 2, (len(progs), sorted(weights), stats)
+    assert len(fp8_mm) >= 7 * 2, (len(progs), sorted(weights))
     # no dequantised (16/32-bit) weight is written to device memory
     for p in progs:
         for o in p.operands:

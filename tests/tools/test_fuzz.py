@@ -31,23 +31,30 @@ CI_GRAPHS = 520
 CI_BATCH = 20
 
 
+def _run_ci_seeds(n: int, dynamic: bool = False) -> list:
+    """(seed, outcome) of the CI seed set's first ``n`` graphs, CI_BATCH per
+    compile, a cold Inductor cache; fails naming every graph that failed."""
+    quiet()
+    outcomes = []
+    with fresh_cache():
+        for first in range(0, n, CI_BATCH):
+            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
+            results, _ = check_many(graphs, seed=first, dynamic=dynamic)
+            outcomes += [(first + i, r) for i, r in enumerate(results)]
+    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
+    assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
+    return outcomes
+
+
 @pytest.mark.slow
 def test_ci_seed_set_passes():
     """>= 500 random graphs, each on the CPU, eagerly on spyre and compiled
     on spyre (batched: CI_BATCH graphs per compile, a cold Inductor cache),
     every output within the oracle's tolerance."""
-    quiet()
     start = time.monotonic()
-    outcomes = []
-    with fresh_cache():
-        for first in range(0, CI_GRAPHS, CI_BATCH):
-            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
-            results, _ = check_many(graphs, seed=first)
-            outcomes += [(first + i, r) for i, r in enumerate(results)]
+    outcomes = _run_ci_seeds(CI_GRAPHS)
     elapsed = time.monotonic() - start
     counts = Counter(r.status for _, r in outcomes)
-    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
-    assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
     assert counts[PASS] == CI_GRAPHS
     print(f"\nfuzz CI seed set: {CI_GRAPHS} graphs, {CI_BATCH} per compile, {elapsed:.0f} s")
 
@@ -63,15 +70,7 @@ def test_dynamic_seed_sample_passes():
     ``dynamic=True``, every output within the oracle's tolerance.  Its first
     run found a cat's lane tables and an eager index_put refusing symbolic
     sizes, and an attention's 1/sqrt(head dim) truncated to 0 (a wrong answer)."""
-    quiet()
-    outcomes = []
-    with fresh_cache():
-        for first in range(0, DYNAMIC_GRAPHS, CI_BATCH):
-            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
-            results, _ = check_many(graphs, seed=first, dynamic=True)
-            outcomes += [(first + i, r) for i, r in enumerate(results)]
-    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
-    assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
+    _run_ci_seeds(DYNAMIC_GRAPHS, dynamic=True)
 
 
 #: the routing sample: the first graphs of the whole grammar that use one of

@@ -258,7 +258,7 @@ def runs():
     """SmolLM2 fp32 on the card without speculation and with n-gram k=5: the
     mixed batch, then the repetitive prompt alone (batch 1).  k=3 runs in
     test_ngram_repetitive_set_throughput (fp16, its tokens equal to the run
-    without speculation): one engine fewer here (~95 s of the suite)."""
+    without speculation): one engine fewer here."""
     from vllm import LLM
 
     from torch_spyre.models.offline import folder

@@ -52,11 +52,8 @@ def origin_node(buf) -> torch.fx.Node | None:
     if node in scattered:
         node = None  # the copy a scatter writes into: its value is the scatter's input
     if node is None:
-        try:
-            size = _static(buf.get_size(), buf.get_name())
-        except NotImplementedError:  # a buffer with no layout (a mutation's marker)
-            return None
-        except Exception:  # noqa: BLE001 - a data-dependent size: no guess
+        size = _sizes_of(buf)
+        if size is None:
             return None
 
         def shaped(o: torch.fx.Node) -> bool:
@@ -354,13 +351,17 @@ def _check_no_stale_read(order, held, name: str, root=None) -> None:
 def _matches(val, buf) -> bool:
     if not isinstance(val, torch.Tensor):
         return False
+    size = _sizes_of(buf)
+    return size is not None and _same_sizes(val.shape, size) and val.dtype == buf.get_dtype()
+
+
+def _sizes_of(buf) -> list[int] | None:
+    """``buf``'s sizes as ints (specialised), or None: a buffer with no
+    layout of its own (a mutation's marker), or a data-dependent size."""
     try:
-        size = _static(buf.get_size(), buf.get_name())
-    except NotImplementedError:  # no layout of its own (a mutation's marker)
-        return False
-    except Exception:  # noqa: BLE001 - a data-dependent size: never a match
-        return False
-    return _same_sizes(val.shape, size) and val.dtype == buf.get_dtype()
+        return _static(buf.get_size(), buf.get_name())
+    except Exception:  # noqa: BLE001 - NotImplementedError, GuardOnDataDependentSymNode
+        return None
 
 
 def _same_sizes(fx_shape, size: list[int]) -> bool:

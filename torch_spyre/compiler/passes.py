@@ -155,6 +155,14 @@ def _copies_into(user: torch.fx.Node, x: torch.fx.Node) -> bool:
     )
 
 
+def _clone(gm: torch.fx.GraphModule, x: torch.fx.Node, **kwargs) -> torch.fx.Node:
+    """``aten.clone(x, **kwargs)`` at the graph's insertion point, with its value."""
+    copy = gm.graph.call_function(torch.ops.aten.clone.default, (x,), kwargs)
+    xv = x.meta.get("val")
+    copy.meta["val"] = xv.clone(**kwargs) if isinstance(xv, torch.Tensor) else None
+    return copy
+
+
 def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
     """``aten.index_put`` (a functionalized ``index_put_`` / ``index_copy_``: a
     KV cache write) as ``spyre::index_put_`` under ``auto_functionalized``:
@@ -180,9 +188,7 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
             # of ``x`` was still to be returned (fuzzer seed 6289, a wrong
             # answer on Inductor's CPU backend too)
             with gm.graph.inserting_before(node):
-                own = gm.graph.call_function(torch.ops.aten.clone.default, (x,))
-            own.meta["val"] = x.meta.get("val").clone() if x.meta.get("val") is not None else None
-            node.replace_input_with(x, own)
+                node.replace_input_with(x, _clone(gm, x))
             changed = True
             continue
         with gm.graph.inserting_before(node):
@@ -196,11 +202,7 @@ def _index_put_in_place(gm: torch.fx.GraphModule) -> bool:
                 # tensor (``v[1]`` of a pointwise ``v``): the write through it
                 # becomes an ``as_strided`` of the whole storage, which Inductor
                 # reads from the view's own smaller buffer (fuzzer seed 600951)
-                dense = gm.graph.call_function(
-                    torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
-                )
-                dense.meta["val"] = xv.clone(memory_format=torch.contiguous_format)
-                x = dense
+                x = _clone(gm, x, memory_format=torch.contiguous_format)
             af = gm.graph.call_function(
                 torch.ops.higher_order.auto_functionalized,
                 (torch.ops.spyre.index_put_.default,),
