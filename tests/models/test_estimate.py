@@ -210,18 +210,18 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
         # in place, with no copy of the cache)
         assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
         assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
-    # 1.24x (no re-lay copies, the norms as prologues of the QKV
+    # 1.18x (no re-lay copies, the norms as prologues of the QKV
     # projections' and the MLP's programs, the residual add in the MLP
-    # program, attention stored token-major, RoPE's rotation read in place and
-    # its q tile read once, the projections' stores overlapped; performance.md).
+    # program, attention stored token-major, RoPE and the head split as the
+    # projections' epilogue, the projections' stores overlapped; performance.md).
     # The same in every process: CI once saw 1.411x against 1.40x, where an
     # earlier compile in the process had changed how Inductor lowered the next
     # graph (compiler/implicit_fallbacks.py)
-    assert r["prefill_vs_compute_floor"] <= 1.25
-    # issue 30's 1.15x is below what this split into kernels allows: each
-    # kernel at its floor as calibrated (operands once at the sustained
-    # bandwidth) already sums to 1.17x; no kernel beats its floor
-    assert 1.16 < r["prefill_kernel_floors_vs_compute_floor"] < 1.18
+    assert r["prefill_vs_compute_floor"] <= 1.19
+    # each kernel at its floor as calibrated (operands once at the sustained
+    # bandwidth) sums to 1.11x: issue 30's 1.15x is within this split into
+    # kernels, not yet met by its plans; no kernel beats its floor
+    assert 1.10 < r["prefill_kernel_floors_vs_compute_floor"] < 1.12
     for phase in ("prefill", "decode"):
         for part in d[phase]:
             for k in part["plans"]:
@@ -260,7 +260,7 @@ def test_granite_8b_long_prompt_prefill(tmp_path):
     assert cli.main(["estimate", "granite-3.3-8b", "--prompt", "8192", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     r = d["ratios"]
-    assert r["prefill_vs_compute_floor"] <= 1.3  # 1.14x
+    assert r["prefill_vs_compute_floor"] <= 1.3  # 1.08x
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
     names = [k["name"] for k in layer["plans"]]
     assert any(n.startswith("swiglu_mlp_8192x") for n in names)
@@ -274,15 +274,13 @@ def test_granite_8b_long_prompt_prefill(tmp_path):
 
 
 @pytest.mark.slow  # plans the real 8B layer at 4 x 512 tokens a step: ~15 s
-def test_granite_8b_batched_prefill_fuses_rope_into_its_rotation(tmp_path):
-    """Batch 32 x 512 (4 prompts a 2048-token step): RoPE's rotation matmul
-    keeps RoPE as its epilogue although it reads the rows batch x heads x
-    tokens (``lowering.ReadShape``), one program for Q and one for K; the
-    modelled prefill is pinned (3,146.2 ms, 1.17x: issue 30's bar of 1.2x
-    is met; the accumulators of the projections' and the MLP's programs
-    double buffered, their stores overlapped).
-    The norms are prologues of the Q, K, V projections' program and of the
-    MLP's: 9 kernels a layer."""
+def test_granite_8b_batched_prefill_rotates_in_the_projections_program(tmp_path):
+    """Batch 32 x 512 (4 prompts a 2048-token step): the norm, Q, K and V,
+    RoPE on Q and K and the head split are one program, read as they lie by
+    the cache writes and flash attention (no RoPE program, no re-lay of V);
+    the norm before the MLP is its program's prologue: 6 kernels a layer.
+    The modelled prefill is pinned (2,969.6 ms, 1.11x: issue 30's bar of
+    1.2x is met; 3,146.2 ms with the RoPE programs)."""
     from torch_spyre import cli
 
     out = tmp_path / "granite_b32.json"
@@ -291,12 +289,11 @@ def test_granite_8b_batched_prefill_fuses_rope_into_its_rotation(tmp_path):
     d = json.loads(out.read_text())
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
     names = [k["name"] for k in layer["plans"]]
-    rope = [n for n in names if n.startswith("fused_mm_add_attention_bshd")]
-    assert len(rope) == 2 and len(names) == 9, names
-    assert names[0].startswith("projections_") and names[0].endswith("_norm")
+    assert len(names) == 6 and not any("mm_add_attention" in n for n in names), names
+    assert names[0].startswith("projections_") and names[0].endswith("_norm_rope_bhsd")
     assert names[-1].endswith("_res_norm")
-    assert d["prefill_s"] == pytest.approx(3.1461837986907217, rel=1e-9)
-    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.18
+    assert d["prefill_s"] == pytest.approx(2.9695595171786944, rel=1e-9)
+    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.12
 
 
 @pytest.mark.slow  # plans the real 8B decode layer twice, with and without LoRA: ~30 s

@@ -19,6 +19,7 @@ import operator
 
 import torch
 
+from torch_spyre.compiler import rope_match
 from torch_spyre.compiler.fx_match import VIEWS
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
@@ -58,6 +59,56 @@ def _projections_of(
             found.append((u, wt.args[0]))
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(found, key=lambda f: order[f[0]])
+
+
+def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tensor):
+    """How the projections ``mms`` of ``sv`` [b, s, k] are read as attention
+    heads: (head size, rope flags, heads-first flags, cos, sin, the node each
+    output replaces or None), or None when none is a head split.
+
+    An output read only as ``view(b, s, -1, d).transpose(1, 2)`` is stored
+    heads-first (contiguous: what attention and a KV cache read) and replaces
+    the transpose; when that is read only as transformers' RoPE (one cos/sin
+    pair for all), the program also rotates it and it replaces the sum.  One
+    head size for all, half a head whole sticks."""
+    from torch_spyre.layout import stick_elems
+
+    if sv.dim() != 3:
+        return None
+    b, s = sv.shape[0], sv.shape[1]
+    splits = [rope_match.head_split(mm, b, s) for mm in mms]
+    sizes = {d for found in splits if found is not None for _, d in [found]}
+    if len(sizes) != 1:
+        return None
+    (hd,) = sizes
+    if hd % 2 or (hd // 2) % stick_elems(sv.dtype):
+        return None
+    if any(mm.meta["val"].shape[-1] % hd for mm in mms):
+        return None
+    ropes = [rope_match.rope_of(gm, t, hd) if t is not None else None for t, _ in
+             (f if f is not None else (None, 0) for f in splits)]  # fmt: skip
+    tables = {(r[1], r[2]) for r in ropes if r is not None}
+    ok = len(tables) == 1 and all(
+        r is None or (r[0].meta["val"].dtype == sv.dtype and r[1].meta["val"].dtype == sv.dtype)
+        for r in ropes
+    )
+    if not ok:
+        ropes = [None] * len(mms)
+    cos, sin = next(iter(tables)) if ok else (None, None)
+    # heads-first (contiguous) for an output not rotated here only where its
+    # readers take the value whatever its strides
+    splits = [
+        f if f is None or r is not None or rope_match.layout_free(f[0]) else None
+        for f, r in zip(splits, ropes)
+    ]
+    if not any(splits):
+        return None
+    first = [f is not None for f in splits]
+    rope = [r is not None for r in ropes]
+    stands = [
+        (r[0] if r is not None else f[0]) if f is not None else None for f, r in zip(splits, ropes)
+    ]
+    return hd, rope, first, cos, sin, stands
 
 
 def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
@@ -104,24 +155,46 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
         inner = set(seen) - {node}
         if any(u not in inner and u is not node for n in inner for u in n.users):
             continue
-        with gm.graph.inserting_after(node):
-            new = gm.graph.call_function(torch.ops.spyre.norm_projections.default, (s, nw, eps, ws))
-        vals = torch.ops.spyre.norm_projections.default(sv, nw.meta["val"], eps, wv)
+        heads = _as_heads(gm, [mm for mm, _ in uses], sv)
+        at = node
+        if heads is not None and heads[3] is not None:
+            # the op reads the rotary tables: it goes after them, so every
+            # node it replaces must be read only after that
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            at = max((node, heads[3], heads[4]), key=order.__getitem__)
+            replaced = [st if st is not None else mm for st, (mm, _) in zip(heads[5], uses)]
+            if any(order[u] <= order[at] for r in replaced for u in r.users):
+                continue
+        args: tuple = (s, nw, eps, ws)
+        vargs: tuple = (sv, nw.meta["val"], eps, wv)
+        if heads is not None:
+            hd, rope, first, cos, sin, _ = heads
+            args += (cos, sin, hd, rope, first)
+            tv = (None, None) if cos is None else (cos.meta["val"], sin.meta["val"])
+            vargs += (*tv, hd, rope, first)
+        with gm.graph.inserting_after(at):
+            new = gm.graph.call_function(torch.ops.spyre.norm_projections.default, args)
+        vals = torch.ops.spyre.norm_projections.default(*vargs)
         new.meta["val"] = vals
         last = new
         for i, (mm, _) in enumerate(uses):
             with gm.graph.inserting_after(last):
                 item = gm.graph.call_function(operator.getitem, (new, i))
             item.meta["val"] = vals[i]
+            last = item
+            if heads is not None and heads[5][i] is not None:
+                # heads-first (and rotated): the node it stands for, replaced;
+                # the projection's views to it are dead
+                heads[5][i].replace_all_uses_with(item)
+                continue
             with gm.graph.inserting_after(item):
                 flat = gm.graph.call_function(
                     torch.ops.aten.reshape.default, (item, list(mm.meta["val"].shape))
                 )
             flat.meta["val"] = vals[i].reshape(mm.meta["val"].shape)
             mm.replace_all_uses_with(flat)
-            last = flat
-        for mm, _ in uses:
             gm.graph.erase_node(mm)
+            last = flat
         changed = True
     if changed:
         gm.graph.eliminate_dead_code()

@@ -112,6 +112,8 @@ class ProgramChecks:
                 union = set().union(*(self.buffer(x).dims for x in s.inputs))
                 if s.op == "rename":
                     self._check_rename(s, at)
+                elif s.op == "rotate_half":
+                    self._check_rotate_half(s, at)
                 # an op without buffer inputs (a fill) writes the whole output buffer
                 elif od.num_inputs and union != set(self.buffer(s.out).dims):
                     raise ProgramError(
@@ -205,6 +207,22 @@ class ProgramChecks:
             raise ProgramError(
                 f"{at}: rename of dim {a.name!r} to {b.name!r}: sizes {a.size} and {b.size}, "
                 "neither split over cores"
+            )
+
+    def _check_rotate_half(self, s: Vector, at: str) -> None:
+        """A ``rotate_half``: along ``dim``, a dim of size 2 of its input and
+        output (the same dims), not split over cores and not the stick dim."""
+        src, out = self.buffer(s.inputs[0]), self.buffer(s.out)
+        if (
+            s.dim is None
+            or src.dims != out.dims
+            or s.dim not in out.dims[:-1]
+            or self.dim(s.dim).size != 2
+            or self.dim(s.dim).cores > 1
+        ):
+            raise ProgramError(
+                f"{at}: rotate_half {s.inputs[0]!r} {src.dims} -> {s.out!r} {out.dims} along "
+                f"{s.dim!r} needs the same dims, the rotated one of size 2, on one core, not last"
             )
 
     def _check_transfer(self, s: Load | Store, at: str, operand_names: set[str]) -> None:

@@ -188,7 +188,8 @@ def _step_text(s: Step) -> str:
         return f"matmul {s.out} += {s.a} @ {s.b}   (PE array)"
     if isinstance(s, Vector):
         args = list(s.inputs) + [repr(x) for x in s.scalars]
-        return f"vector {s.out} = {s.op}({', '.join(args)})"
+        along = f", along {s.dim}" if s.dim else ""
+        return f"vector {s.out} = {s.op}({', '.join(args)}{along})"
     if isinstance(s, Reduce):
         return f"reduce {s.out} = {s.op}({s.input}, over {s.dim})"
     if isinstance(s, Scan):

@@ -155,6 +155,8 @@ class Vector:
     inputs: tuple[str, ...]
     scalars: tuple[float, ...] = ()
     loops: tuple[str, ...] = ()
+    #: the dim an op that moves data along one dim acts on (``rotate_half``)
+    dim: str | None = None
     kind: Literal["vector"] = "vector"
 
 

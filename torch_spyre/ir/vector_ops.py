@@ -200,6 +200,10 @@ for _name, _fn, _cls, _n in [
     # an output dim: RoPE's q @ rotation, then q * cos; kernels/plan.py):
     # the input's one dim the output lacks is the output's one dim it lacks
     ("rename", lambda x: x, _S, 1),
+    # RoPE's rotate_half over a size-2 dim (``Vector.dim``) of a buffer, the
+    # halves of a head: ``cat(-x[1], x[0])``, whole sticks moved and negated
+    # (the dim is never the stick dim; sim/executor.py computes it)
+    ("rotate_half", lambda x: x, _S, 1),
     # rounding (Llama-4 / Ministral attention temperature: floor(pos / n))
     ("floor", torch.floor, _S, 1),
     ("ceil", torch.ceil, _S, 1),

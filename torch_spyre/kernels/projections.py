@@ -6,6 +6,8 @@ an attention block's Q, K and V projections of the normed residual stream."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from torch_spyre.hardware import HardwareConfig
@@ -19,11 +21,34 @@ from torch_spyre.ir import (
     ProgramError,
     RingAllReduce,
     Store,
+    Vector,
 )
 from torch_spyre.kernels.search import persisted
 from torch_spyre.kernels.splits import double_if_it_fits, row_block_extents, row_block_plans
 from torch_spyre.kernels.swiglu import norm_prologue
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The outputs as attention heads of ``dim`` elements (``x @ w.T`` viewed
+    as [b, m, heads, dim]), each head's two halves accumulated apart.
+
+    ``rope[i]``: output ``i`` is rotated as transformers'
+    ``apply_rotary_pos_emb`` does, ``o * cos + rotate_half(o) * sin``
+    (``rotate_half(o) = cat(-o[..., dim/2:], o[..., :dim/2])``), by the
+    operands ``cos`` and ``sin`` [cos_batch, m, dim]: with the halves in two
+    accumulators the rotation is four products and two sums of whole sticks
+    on the vector units, in the epilogue, before the store (no lane shuffle,
+    no pass over device memory).  ``first[i]``: output ``i`` is stored
+    heads-first, [b, heads, m, dim] (what ``view(b, m, heads, dim)
+    .transpose(1, 2).contiguous()`` gives: the layout attention reads),
+    else token-major [b, m, heads * dim].  A half must be whole sticks."""
+
+    dim: int
+    rope: tuple[bool, ...]
+    first: tuple[bool, ...]
+    cos_batch: int = 1
 
 
 def projection_block(widths: tuple[int, ...], dtype: torch.dtype) -> int | None:
@@ -51,6 +76,7 @@ def norm_projections(
     double_acc: bool = False,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    heads: Heads | None = None,
 ) -> Program:
     """``out_i = x @ w_i^T`` for every weight ``w_i`` [widths[i], k], the
     activation read once.
@@ -77,6 +103,12 @@ def norm_projections(
     ``double_acc``: the fp32 accumulators are double buffered, so the stores
     of one column block overlap the next block's weight stream instead of
     stalling it (twice their LX).
+
+    ``heads``: the outputs as attention heads (``Heads``): the column dim
+    ``n`` counts the heads of a block (``tiles``' ``tn`` too), the dim ``e``
+    is half a head, and every weight block is read as its heads' two halves
+    (operand ``w_i`` [widths[i] / dim, 2, dim / 2, k], the bytes of [widths[i],
+    k]), so RoPE and a heads-first store are epilogues of the tile.
     """
     cfg = config or HardwareConfig()
     n = projection_block(widths, dtype)
@@ -85,6 +117,11 @@ def norm_projections(
     pb, pm, pn, pk = split if split is not None else (1, min(m, cfg.cores), 1, 1)
     if not batched and (b != 1 or pb != 1):
         raise ProgramError("norm_projections: an unbatched x needs b == 1")
+    if heads is not None:
+        return _head_projections(
+            b, m, k, widths, dtype, heads, norm_eps=norm_eps, split=(pb, pm, pn, pk),
+            tiles=tiles, tb=tb, batched=batched, double_acc=double_acc, name=name,
+        )  # fmt: skip
     pn, pk, en, ek, em, (tm, tn, tk) = row_block_extents(
         m, n, k, pm, pn, pk, stick_elems(dtype), tiles
     )
@@ -144,6 +181,138 @@ def norm_projections(
     )
 
 
+def _weight_as_heads(w: int, hd: int, k: int, dtype: torch.dtype) -> SpyreTensorLayout:
+    """A weight [w, k] in its default layout ([k sticks, w, stick]) as
+    [w / hd, 2, hd / 2, k]: its rows split into heads and halves, the same bytes."""
+    se = stick_elems(dtype)
+    return SpyreTensorLayout(
+        (w // hd, 2, hd // 2, k), (ceil_div(k, se), w // hd, 2, hd // 2, se), (3, 0, 1, 2, 3), dtype
+    )
+
+
+def _head_projections(
+    b: int,
+    m: int,
+    k: int,
+    widths: tuple[int, ...],
+    dtype: torch.dtype,
+    heads: Heads,
+    *,
+    norm_eps: float | None,
+    split: tuple[int, int, int, int],
+    tiles: tuple[int, int, int] | None,
+    tb: int,
+    batched: bool,
+    double_acc: bool,
+    name: str | None,
+) -> Program:
+    """``norm_projections`` with ``heads``: see there."""
+    se = stick_elems(dtype)
+    hd, half = heads.dim, heads.dim // 2
+    nw_ = len(widths)
+    if hd % 2 or half % se or any(w % hd for w in widths):
+        raise ProgramError(
+            f"projections as heads of {hd}: half a head must be whole sticks of {se} "
+            f"and every width ({widths}) whole heads"
+        )
+    if len(heads.rope) != nw_ or len(heads.first) != nw_:
+        raise ProgramError(f"projections as heads: one rope and one layout flag per weight ({nw_})")
+    if any(heads.first) and not batched:
+        raise ProgramError("projections stored heads-first need a batched x [b, m, k]")
+    if heads.cos_batch not in (1, b):
+        raise ProgramError(f"rotary tables of batch {heads.cos_batch} for a batch of {b}")
+    nh = projection_block(widths, dtype) // hd  # heads per column block
+    pb, pm, pn, pk = split
+    pn, pk, en, ek, em, (tm, tn, tk) = row_block_extents(
+        m, nh, k, pm, pn, pk, se, tiles if tiles is not None else (ceil_div(m, pm), 1, 512), 1
+    )
+    acc = torch.float32 if dtype.is_floating_point else torch.int32
+    dims = [
+        Dim("b", b, pb, tb),
+        Dim("m", m, pm, tm),
+        Dim("n", nh, pn, tn, chunk=en if pn > 1 else None),
+        Dim("j", 2),  # a head's halves
+        Dim("e", half),
+        Dim("k", k, pk, tk, chunk=ek if pk > 1 else None),
+    ]
+    rows = ("b", "m") if batched else ("m",)
+    l2, l3, l4 = rows, (*rows, "n"), (*rows, "n", "k")
+    tile = (*rows, "n", "j", "e")
+    w_mc = pb * pm > 1
+    steps: list = [Load("xt", "x", (*rows, "k"), l2, multicast=pn > 1)]
+    steps += norm_prologue(norm_eps, k, pk > 1, l2, "xt")
+    buffers = [Buffer("xt", (*rows, "k"), dtype, tm < em or tb < ceil_div(b, pb))]
+    operands = [
+        Operand("x", SpyreTensorLayout.default((b, m, k) if batched else (m, k), dtype), "input")
+    ]
+    if any(heads.rope):
+        # the tables, loaded once per row tile
+        cb = heads.cos_batch
+        tshape = (cb, m, 2, half) if batched else (m, 2, half)
+        tidx = ("b" if cb > 1 else None, "m", "j", "e") if batched else ("m", "j", "e")
+        tdims = tuple(d for d in tidx if d is not None)
+        for t in ("cos", "sin"):
+            operands.append(Operand(t, SpyreTensorLayout.default(tshape, dtype), "input"))
+            steps.append(Load(t, t, tidx, l2))
+            buffers.append(Buffer(t, tdims, dtype))
+        buffers.append(Buffer("rot", tile, acc))
+    epilogue: list = []
+    for i, w in enumerate(widths):
+        operands.append(Operand(f"w{i}", _weight_as_heads(w, hd, k, dtype), "input"))
+        for r in range(w // (nh * hd)):
+            wt, at = f"w{i}t{r}", f"a{i}t{r}"
+            steps += [
+                Load(wt, f"w{i}", ("n", "j", "e", "k"), l4, multicast=w_mc,
+                     offsets=(r * nh, 0, 0, 0)),
+                Matmul(at, "xt", wt, l4),
+            ]  # fmt: skip
+            buffers += [
+                Buffer(wt, ("n", "j", "e", "k"), dtype, True),
+                Buffer(at, tile, acc, double_acc),
+            ]
+            if pk > 1:
+                epilogue.append(RingAllReduce(at, "k", "sum", l3))
+            if heads.rope[i]:
+                epilogue += [
+                    Vector("rotate_half", "rot", (at,), (), l3, dim="j"),
+                    Vector("mul", "rot", ("rot", "sin"), (), l3),
+                    Vector("mul", at, (at, "cos"), (), l3),
+                    Vector("add", at, (at, "rot"), (), l3),
+                ]
+            if heads.first[i]:
+                idx: tuple[str, ...] = ("b", "n", "m", "j", "e")
+                off: tuple[int, ...] = (0, r * nh, 0, 0, 0)
+            elif batched:
+                idx, off = ("b", "m", "n", "j", "e"), (0, 0, r * nh, 0, 0)
+            else:
+                idx, off = ("m", "n", "j", "e"), (0, r * nh, 0, 0)
+            epilogue.append(Store(f"out{i}", at, idx, l3, offsets=off))
+    steps += epilogue
+    for i, w in enumerate(widths):
+        if heads.first[i]:
+            shape: tuple[int, ...] = (b, w // hd, m, 2, half)
+        else:
+            shape = (b, m, w // hd, 2, half) if batched else (m, w // hd, 2, half)
+        operands.append(Operand(f"out{i}", SpyreTensorLayout.default(shape, dtype), "output"))
+    if norm_eps is not None:
+        operands.append(Operand("nw", SpyreTensorLayout.default((k,), dtype), "input"))
+        buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
+    if not batched:
+        dims = [d for d in dims if d.name != "b"]
+    return Program(
+        name=name
+        or f"projections_{b * m}x{k}x{'_'.join(map(str, widths))}"
+        + ("_norm" if norm_eps is not None else "")
+        + ("_rope" if any(heads.rope) else "")
+        + ("_bhsd" if any(heads.first) else ""),
+        dims=tuple(dims),
+        operands=tuple(operands),
+        buffers=tuple(buffers),
+        steps=tuple(steps),
+        loop_order=l4,
+    )
+
+
 @persisted("projections")
 def best_norm_projections(
     b: int,
@@ -156,10 +325,12 @@ def best_norm_projections(
     batched: bool = True,
     config: HardwareConfig | None = None,
     name: str | None = None,
+    heads: Heads | None = None,
 ) -> Program:
     """The projections program the timing model finds fastest: core splits
     over (batch, rows, column block, k) and tiles that fit the LX and a
-    core's address span (``splits.row_block_plans``, as the SwiGLU MLP's)."""
+    core's address span (``splits.row_block_plans``, as the SwiGLU MLP's);
+    with ``heads``, the column block split and tiled in whole heads."""
     from torch_spyre.kernels.search import Search
 
     cfg = config or HardwareConfig()
@@ -173,15 +344,23 @@ def best_norm_projections(
         def program(dacc: bool) -> Program:
             return norm_projections(
                 b, m, k, widths, dtype, norm_eps=norm_eps, split=split, tiles=(tm, tn, tk),
-                tb=tb, batched=batched, double_acc=dacc, config=cfg, name=name,
+                tb=tb, batched=batched, double_acc=dacc, config=cfg, name=name, heads=heads,
             )  # fmt: skip
 
         return double_if_it_fits(program, cfg)
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
-    plans = row_block_plans(
-        b, m, k, n, cfg.cores, stick_elems(dtype), batched=batched, k_split=True
-    )
+    se = stick_elems(dtype)
+    if heads is None:
+        plans = row_block_plans(b, m, k, n, cfg.cores, se, batched=batched, k_split=True)
+    else:  # the block's heads over cores, one or two heads a tile
+        nh = n // heads.dim if n % heads.dim == 0 else 0
+        if not nh:
+            raise ProgramError(f"projections of widths {widths}: no block of whole heads")
+        plans = row_block_plans(
+            b, m, k, nh, cfg.cores, se, batched=batched, k_split=True, n_unit=1, n_tiles=(1, 2),
+            k_tiles=(128, 256, 512, 1024),
+        )  # fmt: skip
     for split, tiles in plans:
         found.run((split, t) for t in tiles)
     if found.best is None:

@@ -30,16 +30,30 @@ Tiles = tuple[int, int, int, int]
 
 
 def row_block_plans(
-    b: int, m: int, k: int, n: int, cores: int, se: int, *, batched: bool, k_split: bool
+    b: int,
+    m: int,
+    k: int,
+    n: int,
+    cores: int,
+    se: int,
+    *,
+    batched: bool,
+    k_split: bool,
+    n_unit: int | None = None,
+    n_tiles: tuple[int, ...] = (32, 64, 128),
+    k_tiles: tuple[int, ...] = (512, 1024),
 ) -> Iterator[tuple[Split, list[Tiles]]]:
     """(split, tiles) candidates of a row-block program: cores over (batch,
     rows, columns, k) (k only when ``k_split``), splits that leave half the
     card idle dropped while there is work to split, and splits whose
     whole-stick chunks come out the same planned once; per split the tiles
     (batch, rows, columns, k) clamped to the core's extents.  ``se``: the
-    dtype's stick elements."""
+    dtype's stick elements; ``n_unit``: the columns' unit of a split (default
+    ``se``: whole sticks; 1 for columns counted in heads); ``n_tiles``: the
+    column tiles to try; ``k_tiles``: the k tiles besides the core's whole k."""
     pows = [1 << i for i in range(cores.bit_length()) if 1 << i <= cores]
-    n_sticks, k_sticks = ceil_div(n, se), ceil_div(k, se)
+    nu = se if n_unit is None else n_unit
+    n_sticks, k_sticks = ceil_div(n, nu), ceil_div(k, se)
     k_splits = stick_splits(k_sticks, cores) if k_split else [1]
     splits = [
         (pb, pm, pn, pk)
@@ -60,7 +74,7 @@ def row_block_plans(
     planned: set[tuple[int, ...]] = set()
     for pb, pm, pn, pk in busy or splits:
         em = ceil_div(m, pm)
-        en = ceil_div(n_sticks, pn) * se if pn > 1 else n
+        en = ceil_div(n_sticks, pn) * nu if pn > 1 else n
         ek = ceil_div(k_sticks, pk) * se if pk > 1 else k
         eb = ceil_div(b, pb)
         if (eb, em, en, ek) in planned:
@@ -74,19 +88,29 @@ def row_block_plans(
         tiles = sorted(
             {
                 (tb, tm, min(tn, en), min(tk, ek))
-                for tb, tm, tn, tk in itertools.product(tbs, tms, (32, 64, 128), (512, 1024, ek))
+                for tb, tm, tn, tk in itertools.product(tbs, tms, n_tiles, (*k_tiles, ek))
             }
         )
         yield (pb, pm, pn, pk), tiles
 
 
 def row_block_extents(
-    m: int, n: int, k: int, pm: int, pn: int, pk: int, se: int, tiles: tuple[int, int, int] | None
+    m: int,
+    n: int,
+    k: int,
+    pm: int,
+    pn: int,
+    pk: int,
+    se: int,
+    tiles: tuple[int, int, int] | None,
+    n_unit: int | None = None,
 ) -> tuple[int, int, int, int, int, tuple[int, int, int]]:
     """(pn, pk, en, ek, em, (tm, tn, tk)) of a row-block split: columns and k
-    over cores in whole sticks (the core counts a chunk size leaves), a core's
-    extents, and the tiles (default: the core's rows, 64 columns, 512 of k)."""
-    en = ceil_div(ceil_div(n, se), pn) * se if pn > 1 else n
+    over cores in whole sticks (the core counts a chunk size leaves; columns
+    in units of ``n_unit`` when given), a core's extents, and the tiles
+    (default: the core's rows, 64 columns, 512 of k)."""
+    nu = se if n_unit is None else n_unit
+    en = ceil_div(ceil_div(n, nu), pn) * nu if pn > 1 else n
     pn = ceil_div(n, en)
     ek = ceil_div(ceil_div(k, se), pk) * se if pk > 1 else k
     pk = ceil_div(k, ek)

@@ -24,24 +24,92 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @torch.library.custom_op("spyre::norm_projections", mutates_args=())
 def norm_projections(
-    x: torch.Tensor, nw: torch.Tensor | None, eps: float, ws: list[torch.Tensor]
+    x: torch.Tensor,
+    nw: torch.Tensor | None,
+    eps: float,
+    ws: list[torch.Tensor],
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    head_dim: int = 0,
+    rope: list[bool] | None = None,
+    heads_first: list[bool] | None = None,
 ) -> list[torch.Tensor]:
-    """``[x_normed @ w.T for w in ws]``, x [..., K], each w [N_i, K]."""
+    """``[x_normed @ w.T for w in ws]``, x [..., K], each w [N_i, K].
+
+    With ``head_dim``, output ``i`` is attention heads: ``heads_first[i]``
+    gives it as ``view(b, s, heads, head_dim).transpose(1, 2).contiguous()``
+    (x [b, s, K]), and ``rope[i]`` rotates it as transformers'
+    ``apply_rotary_pos_emb`` does with ``cos``, ``sin`` [1 or b, s,
+    head_dim]: ``o * cos + rotate_half(o) * sin``."""
+    n = len(ws)
+    rope = list(rope) if rope else [False] * n
+    first = list(heads_first) if heads_first else [False] * n
+    if (head_dim or any(rope) or any(first)) and not _heads_args_ok(
+        x, ws, cos, sin, head_dim, rope, first
+    ):
+        raise ValueError(
+            f"spyre::norm_projections: heads of {head_dim} need x [b, s, K], widths of whole "
+            f"heads, one rope and layout flag per weight ({len(rope)}, {len(first)} for {n}) "
+            "and cos/sin [1 or b, s, head_dim] when any output is rotated"
+        )
     if x.device.type == "spyre":
-        out = _device_projections(x, nw, float(eps), ws)
+        out = _device_projections(x, nw, float(eps), ws, cos, sin, head_dim, rope, first)
         if out is not None:
             return out
     h = x if nw is None else rms_norm(x, nw, eps)
-    return [F.linear(h, w) for w in ws]
+    outs = [F.linear(h, w) for w in ws]
+    return [_as_heads(o, cos, sin, head_dim, r, f) for o, r, f in zip(outs, rope, first)]
 
 
 @norm_projections.register_fake
-def _(x, nw, eps, ws):
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in ws]
+def _(x, nw, eps, ws, cos=None, sin=None, head_dim=0, rope=None, heads_first=None):
+    first = list(heads_first) if heads_first else [False] * len(ws)
+    out = []
+    for w, f in zip(ws, first):
+        if f:
+            b, s = x.shape[0], x.shape[1]
+            out.append(x.new_empty((b, w.shape[0] // head_dim, s, head_dim)))
+        else:
+            out.append(x.new_empty((*x.shape[:-1], w.shape[0])))
+    return out
 
 
-def _device_projections(x, nw, eps: float, ws) -> list[torch.Tensor] | None:
-    from torch_spyre.kernels.projections import best_norm_projections, projection_block
+def _heads_args_ok(x, ws, cos, sin, head_dim, rope, first) -> bool:
+    if head_dim <= 0 or len(rope) != len(ws) or len(first) != len(ws):
+        return False
+    if any(w.shape[0] % head_dim for w in ws) or (any(first) and x.dim() != 3):
+        return False
+    if not any(rope):
+        return True
+    if cos is None or sin is None or x.dim() != 3 or head_dim % 2:
+        return False
+    b, s = x.shape[0], x.shape[1]
+    return all(t.shape in ((1, s, head_dim), (b, s, head_dim)) for t in (cos, sin))
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def _as_heads(o, cos, sin, head_dim: int, rope: bool, first: bool) -> torch.Tensor:
+    """Output ``o`` [b, s, N] as the op gives it (see ``norm_projections``)."""
+    if not (rope or first):
+        return o
+    b, s = o.shape[0], o.shape[1]
+    o = o.view(b, s, -1, head_dim)
+    if first:
+        o = o.transpose(1, 2)
+    if rope:
+        at = 1 if first else 2  # the heads dim the tables broadcast over
+        o = o * cos.unsqueeze(at) + _rotate_half(o) * sin.unsqueeze(at)
+    return o.contiguous() if first else o.reshape(b, s, -1)
+
+
+def _device_projections(
+    x, nw, eps: float, ws, cos=None, sin=None, head_dim=0, rope=(), first=()
+) -> list[torch.Tensor] | None:
+    from torch_spyre.kernels.projections import Heads, best_norm_projections, projection_block
 
     k = x.shape[-1]
     if x.dtype not in _FLOATS or x.numel() == 0 or not ws:
@@ -55,14 +123,22 @@ def _device_projections(x, nw, eps: float, ws) -> list[torch.Tensor] | None:
         return None
     lead = tuple(x.shape[:-1])
     b, m, batched, xx = activation_rows(x)
+    heads = None
+    if any(rope) or any(first):
+        if any(rope) and (cos.dtype != x.dtype or sin.dtype != x.dtype or cos.shape != sin.shape):
+            return None
+        cb = int(cos.shape[0]) if any(rope) else 1
+        heads = Heads(
+            int(head_dim), tuple(bool(r) for r in rope), tuple(bool(f) for f in first), cb
+        )
     dev = x.device
     norm_eps = None if nw is None else eps
-    key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps)
+    key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps, heads)
 
     def build() -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
         p = best_norm_projections(
-            b, m, k, widths, x.dtype, norm_eps=norm_eps, batched=batched, config=cfg
+            b, m, k, widths, x.dtype, norm_eps=norm_eps, batched=batched, config=cfg, heads=heads
         )
         return launch.Kernel(p)
 
@@ -72,13 +148,21 @@ def _device_projections(x, nw, eps: float, ws) -> list[torch.Tensor] | None:
         return None
     if kern.program is None:
         return None
-    outs = [torch.empty((*lead, w), dtype=x.dtype, device=dev) for w in widths]
+    outs = []
+    for i, w in enumerate(widths):
+        if heads is not None and heads.first[i]:
+            outs.append(torch.empty((b, w // head_dim, m, head_dim), dtype=x.dtype, device=dev))
+        else:
+            outs.append(torch.empty((*lead, w), dtype=x.dtype, device=dev))
     bufs = {"x": operands.device_memory(xx)}
     for i, (w, o) in enumerate(zip(ws, outs)):
         bufs[f"w{i}"] = operands.device_memory(operands.whole(w))
         bufs[f"out{i}"] = operands.device_memory(o if batched else o.view(m, widths[i]))
     if nw is not None:
         bufs["nw"] = operands.device_memory(operands.whole(nw))
+    if heads is not None and any(heads.rope):
+        bufs["cos"] = operands.device_memory(operands.whole(cos))
+        bufs["sin"] = operands.device_memory(operands.whole(sin))
     kern.launch_memory(dev.index or 0, bufs)
     dispatch_stats.record("kernel", "norm_projections")
     return outs

@@ -466,6 +466,8 @@ def _build_vector(program: Program, s: Vector, dims: dict) -> Callable:
     out_buf = program.buffer(s.out)
     if s.op == "rename":
         return _build_rename(s, dims, out_buf)
+    if s.op == "rotate_half":
+        return _build_rotate_half(s, dims, out_buf)
     aligns = tuple(_Align(dims[x], out_buf.dims) for x in s.inputs)
     inputs, scalars, out, fn = s.inputs, s.scalars, s.out, od.fn
     out_dtype = out_buf.dtype
@@ -513,6 +515,21 @@ def _build_rename(s: Vector, dims: dict, out_buf) -> Callable:
         env[out] = align(env[inp])
 
     return rename
+
+
+def _build_rotate_half(s: Vector, dims: dict, out_buf) -> Callable:
+    """``cat(-x[1], x[0])`` along ``s.dim`` (validated: size 2, the same dims)."""
+    align = _Align(dims[s.inputs[0]], out_buf.dims)
+    ax = out_buf.dims.index(s.dim)
+    inp, out = s.inputs[0], s.out
+    dims[out] = out_buf.dims
+
+    def rotate_half(buffers: Buffers, env: dict) -> None:
+        x = align(env[inp])
+        lo, hi = x.narrow(ax, 0, 1), x.narrow(ax, 1, 1)
+        env[out] = torch.cat((-hi, lo), ax)
+
+    return rotate_half
 
 
 def _split_axis(
@@ -707,6 +724,7 @@ def _same_layout_elementwise(program: Program) -> Callable[[Buffers], None] | No
         len(steps) >= 3
         and all(isinstance(s, Load) for s in steps[:-2])
         and isinstance(steps[-2], Vector)
+        and steps[-2].dim is None  # an op along a dim moves elements
         and isinstance(steps[-1], Store)
     ):
         return None

@@ -1,0 +1,156 @@
+"""Matchers for an attention projection's head split and its rotary
+embedding in post-grad FX graphs (``projection_fusion.py`` folds both into
+the projections program).
+
+transformers' attention takes ``q = q_proj(h).view(b, s, -1, d).transpose(1,
+2)`` and ``apply_rotary_pos_emb``'s ``q * cos.unsqueeze(1) + rotate_half(q) *
+sin.unsqueeze(1)``.  By the time these run, the spyre graph pass has made
+``rotate_half`` a matmul by a signed permutation table (``passes.
+_rewrite_lane_shuffles``: the rows of ``q`` in memory order, ``@ P``, viewed
+and permuted back like ``q``), so that is the form matched, with the table
+checked to be ``rotate_half``'s."""
+
+from __future__ import annotations
+
+import torch
+
+from torch_spyre.compiler.fx_match import VIEWS
+from torch_spyre.compiler.fx_match import is_op as _is
+
+_SWAP = [0, 2, 1, 3]
+
+
+def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def head_split(mm: torch.fx.Node, b: int, s: int) -> tuple[torch.fx.Node, int] | None:
+    """(``t``, head size) when the projection ``mm`` [b * s, N] is read only as
+    ``t = mm.view(b, s, N / d, d).transpose(1, 2)`` (through views that each
+    feed only the next); else None."""
+    node = mm
+    while True:
+        user = _sole_user(node)
+        if user is None:
+            return None
+        if _is(user, *VIEWS) and user.args[0] is node:
+            node = user
+            continue
+        shape = _shape(node)
+        if (
+            _is(user, "permute")
+            and list(user.args[1]) == _SWAP
+            and shape is not None
+            and len(shape) == 4
+            and shape[:2] == (b, s)
+        ):
+            return user, int(shape[3])
+        return None
+
+
+#: ops that read their input as a value whatever its strides (a view's
+#: view of a transposed tensor is valid only for those strides)
+_STRIDE_FREE_VIEWS = ("permute", "transpose", "unsqueeze", "squeeze", "expand", "slice",
+                      "select", "reshape")  # fmt: skip
+
+
+def layout_free(t: torch.fx.Node) -> bool:
+    """Whether every reader of ``t`` (through views) takes it by value, so it
+    may be given contiguous: no ``view`` whose validity depends on ``t``'s
+    strides (``passes._rows_matmul`` views the rows of a transposed tensor
+    in its memory order) and no ``as_strided``; not returned either (a graph
+    output keeps the strides eager gives it: a copy)."""
+    todo = [t]
+    while todo:
+        node = todo.pop()
+        for u in node.users:
+            if u.op == "output" or _is(u, "view", "_unsafe_view", "as_strided"):
+                return False
+            if _is(u, *_STRIDE_FREE_VIEWS) and u.args[0] is node:
+                todo.append(u)
+    return True
+
+
+def _is_rotate_half_table(gm: torch.fx.GraphModule, table: torch.fx.Node, d: int) -> bool:
+    """Whether the get_attr ``table`` is [d, d] with ``x @ table == rotate_half(x)``."""
+    if table.op != "get_attr":
+        return False
+    try:
+        t = gm.get_buffer(table.target)
+    except AttributeError:
+        return False
+    if tuple(t.shape) != (d, d) or d % 2:
+        return False
+    h = d // 2
+    want = torch.zeros(d, d, dtype=t.dtype)
+    idx = torch.arange(h)
+    want[h + idx, idx] = -1
+    want[idx, h + idx] = 1
+    return bool(torch.equal(t.cpu(), want))
+
+
+def _table_of(mul: torch.fx.Node, x: torch.fx.Node) -> torch.fx.Node | None:
+    """The other factor of ``mul`` = ``x * c`` (either order) when it is
+    ``c = unsqueeze(table, 1)``: the table, else None."""
+    if not _is(mul, "mul") or len(mul.args) != 2 or mul.kwargs:
+        return None
+    a, c = mul.args
+    if a is not x:
+        a, c = c, a
+    if a is not x or not _is(c, "unsqueeze") or c.args[1] != 1:
+        return None
+    return c.args[0]
+
+
+def rope_of(
+    gm: torch.fx.GraphModule, t: torch.fx.Node, d: int
+) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(``out``, cos, sin) when the head-split ``t`` [b, h, s, d] is read only
+    as ``out = t * cos.unsqueeze(1) + rotate_half(t) * sin.unsqueeze(1)``,
+    each node between feeding only the next; else None."""
+    if len(t.users) != 2:
+        return None
+    by_cos = next((u for u in t.users if _is(u, "mul")), None)
+    rot = next((u for u in t.users if u is not by_cos), None)
+    if by_cos is None or rot is None:
+        return None
+    cos = _table_of(by_cos, t)
+    # the rotation: t's rows in memory order (permuted back unless t is
+    # contiguous: one head), @ P, viewed and permuted like t
+    permuted = _is(rot, "permute")
+    if permuted:
+        if list(rot.args[1]) != _SWAP:
+            return None
+        rot = _sole_user(rot)
+    mm = _sole_user(rot) if rot is not None and _is(rot, *VIEWS) else None
+    if mm is None or not _is(mm, "mm") or mm.args[0] is not rot:
+        return None
+    if not _is_rotate_half_table(gm, mm.args[1], d):
+        return None
+    view = _sole_user(mm)
+    last = _sole_user(view) if permuted and view is not None else view
+    if last is None or (view is not None and not _is(view, *VIEWS)):
+        return None
+    if permuted and (not _is(last, "permute") or list(last.args[1]) != _SWAP):
+        return None
+    if _shape(last) != _shape(t):
+        return None
+    by_sin = _sole_user(last)
+    sin = _table_of(by_sin, last) if by_sin is not None else None
+    out = _sole_user(by_sin) if by_sin is not None else None
+    if cos is None or sin is None or out is None or _sole_user(by_cos) is not out:
+        return None
+    if not _is(out, "add") or set(out.args) != {by_cos, by_sin} or out.kwargs:
+        return None
+    b, s = _shape(t)[0], _shape(t)[2]
+    for table in (cos, sin):
+        if _shape(table) not in ((1, s, d), (b, s, d)):
+            return None
+    if _shape(cos) != _shape(sin):
+        return None
+    return out, cos, sin
