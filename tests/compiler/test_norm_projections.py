@@ -161,25 +161,32 @@ def _rotate_half(t):
 
 
 @pytest.mark.parametrize(
-    "b,m,split,cb,rope,first,batched",
-    [(1, 5, (1, 1, 2, 2), 1, (1, 1, 0), (1, 1, 1), True),
-     (2, 3, (2, 1, 1, 2), 2, (1, 1, 0), (1, 0, 1), True),
-     (2, 4, (1, 2, 2, 1), 1, (0, 1, 0), (0, 1, 1), True),
-     (1, 6, (1, 2, 1, 2), 1, (1, 0, 1), (0, 0, 0), False)],
+    "b,m,split,cb,rope,first,batched,norm",
+    [(1, 5, (1, 1, 2, 2), 1, (1, 1, 0), (1, 1, 1), True, (0, 0, 0)),
+     (2, 3, (2, 1, 1, 2), 2, (1, 1, 0), (1, 0, 1), True, (1, 1, 0)),
+     (2, 4, (1, 2, 2, 1), 1, (0, 1, 0), (0, 1, 1), True, (0, 1, 1)),
+     (1, 6, (1, 2, 1, 2), 1, (1, 0, 1), (0, 0, 0), False, (1, 0, 0))],
     ids=str,
 )  # fmt: skip
-def test_head_projections_rotate_and_lay_out_every_block(b, m, split, cb, rope, first, batched):
-    """``heads``: each head's halves accumulated apart, RoPE as the tile's
-    epilogue (``rotate_half`` of the halves, then ``* sin + o * cos``) after
-    the k split's all-reduce, stored heads-first or token-major; against
-    the CPU's ``o * cos + rotate_half(o) * sin`` in float64."""
+def test_head_projections_rotate_and_lay_out_every_block(
+    b, m, split, cb, rope, first, batched, norm
+):
+    """``heads``: each head's halves accumulated apart, a per-head RMS norm
+    (sum of squares over the halves' sticks, then the halves) and RoPE as
+    the tile's epilogue (``rotate_half`` of the halves, then ``* sin + o *
+    cos``) after the k split's all-reduce, stored heads-first or
+    token-major; against the CPU's ``o * cos + rotate_half(o) * sin`` in
+    float64."""
     from torch_spyre.kernels.projections import Heads
 
     k, widths, hd = 256, (512, 128, 128), 128
     s, nw, *ws = _args((b, m), k, widths, H, seed=5)
     g = torch.Generator().manual_seed(6)
     cos, sin = (torch.randn(cb, m, hd, generator=g).to(H) for _ in range(2))
-    heads = Heads(hd, tuple(map(bool, rope)), tuple(map(bool, first)), cb)
+    hns = [(1 + 0.2 * torch.randn(hd, generator=g)).to(H) for _ in widths]
+    heads = Heads(
+        hd, tuple(map(bool, rope)), tuple(map(bool, first)), cb, tuple(map(bool, norm)), 1e-6
+    )
     p = norm_projections(
         b, m, k, widths, H, norm_eps=1e-5, split=split, tiles=(m, 1, 64), heads=heads,
         batched=batched,
@@ -189,6 +196,7 @@ def test_head_projections_rotate_and_lay_out_every_block(b, m, split, cb, rope, 
     assert len([x for x in p.steps if isinstance(x, Store)]) == 6
     host = {"x": s if batched else s[0], "nw": nw, "cos": cos if batched else cos[0]}
     host |= {"sin": sin if batched else sin[0], **{f"w{i}": w for i, w in enumerate(ws)}}
+    host |= {f"hn{i}": w for i, w in enumerate(hns)}
     bufs = {}
     for o in p.operands:
         if o.name in host:
@@ -199,6 +207,8 @@ def test_head_projections_rotate_and_lay_out_every_block(b, m, split, cb, rope, 
     h = rms_norm(s, nw, 1e-5).double()
     for i, w in enumerate(ws):
         want = F.linear(h, w.double()).view(b, m, -1, hd)
+        if norm[i]:
+            want = rms_norm(want, hns[i].double(), 1e-6)
         at = 2
         if first[i]:
             want, at = want.transpose(1, 2), 1
@@ -274,26 +284,30 @@ def test_an_attention_blocks_rope_and_head_split_are_the_projections_epilogue(dt
     torch.testing.assert_close(out.cpu(), _attention(*args), **tol)
 
 
-def test_a_llama_model_compiles_its_rope_into_the_projections():
+@pytest.mark.parametrize(
+    "arch,tag", [("Llama", "_norm_rope_bhsd"), ("Qwen3", "_norm_qknorm_rope_bhsd")]
+)
+def test_a_llama_model_compiles_its_rope_into_the_projections(arch, tag):
     """A two-layer Llama (4 query heads of 128 over 2 KV heads) at 64
     tokens: each layer's attention half is the projections program and flash
     attention, and the logits equal the CPU model's (fp32: to the
-    summation order)."""
+    summation order).  Qwen3: its per-head q_norm and k_norm before RoPE
+    are the program's too."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
+    cfg = getattr(transformers, f"{arch}Config")(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, vocab_size=128,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).float().eval()
     ids = torch.randint(0, 128, (2, 64))
     with torch.no_grad():
         want = model(ids, use_cache=False).logits
         out, names = _compiled(
             lambda i: model(i, use_cache=False).logits, [ids], prepare=lambda: model.to("spyre")
         )
-    rope = [n for n in names if n.endswith("_norm_rope_bhsd")]
+    rope = [n for n in names if n.endswith(tag)]
     assert len(rope) == 2 and not any("mm_add_attention" in n for n in names), names
     torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
 
@@ -325,18 +339,22 @@ def test_q_and_k_rotated_by_different_tables_keep_their_rope_programs():
 
 
 def test_the_eager_op_rotates_and_lays_out_heads():
-    """``spyre::norm_projections`` with heads on the card equals its CPU
-    reference (the op's own composite), one program."""
+    """``spyre::norm_projections`` with heads (Q head-normed, Q and K
+    rotated) on the card equals its CPU reference (the op's own composite),
+    one program."""
     s, nw, *ws = _args((2, 5), 256, (512, 128, 128), H, seed=9)
     g = torch.Generator().manual_seed(10)
     cos, sin = (torch.randn(1, 5, 128, generator=g).to(H) for _ in range(2))
+    qn = (1 + 0.2 * torch.randn(128, generator=g)).to(H)
     kw = dict(head_dim=128, rope=[True, True, False], heads_first=[True, False, True])
-    want = torch.ops.spyre.norm_projections(s, nw, 1e-5, ws, cos, sin, **kw)
+    kw |= dict(head_normed=[True, False, False], head_norm_eps=1e-6)
+    want = torch.ops.spyre.norm_projections(s, nw, 1e-5, ws, cos, sin, head_norms=[qn], **kw)
     d = [t.to("spyre") for t in (s, nw, cos, sin)]
     dispatch_stats.reset("kernel")
     got = torch.ops.spyre.norm_projections(
-        d[0], d[1], 1e-5, [w.to("spyre") for w in ws], d[2], d[3], **kw
-    )
+        d[0], d[1], 1e-5, [w.to("spyre") for w in ws], d[2], d[3], head_norms=[qn.to("spyre")],
+        **kw,
+    )  # fmt: skip
     assert dispatch_stats.counts("kernel") == {"norm_projections": 1}
     assert [tuple(o.shape) for o in want] == [(2, 4, 5, 128), (2, 5, 128), (2, 1, 5, 128)]
     for o, w in zip(got, want):

@@ -16,6 +16,7 @@ of the norm before the MLP.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -61,23 +62,61 @@ def _projections_of(
     return sorted(found, key=lambda f: order[f[0]])
 
 
+@dataclass
+class _Heads:
+    """How a fused projection's outputs are read as attention heads."""
+
+    dim: int
+    rope: list[bool]
+    first: list[bool]
+    cos: torch.fx.Node | None
+    sin: torch.fx.Node | None
+    #: the node each output stands for (its transpose, or its rotated sum), or None
+    stands: list[torch.fx.Node | None]
+    #: each output's head-norm weight node, or None; their one epsilon
+    norms: list[torch.fx.Node | None]
+    norm_eps: float
+
+    def args(self) -> tuple:
+        normed = [w is not None for w in self.norms]
+        weights = [w for w in self.norms if w is not None]
+        return (self.cos, self.sin, self.dim, self.rope, self.first, weights or None,
+                normed if weights else None, self.norm_eps)  # fmt: skip
+
+
 def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tensor):
     """How the projections ``mms`` of ``sv`` [b, s, k] are read as attention
-    heads: (head size, rope flags, heads-first flags, cos, sin, the node each
-    output replaces or None), or None when none is a head split.
+    heads (``_Heads``), or None when none is a head split.
 
     An output read only as ``view(b, s, -1, d).transpose(1, 2)`` is stored
     heads-first (contiguous: what attention and a KV cache read) and replaces
-    the transpose; when that is read only as transformers' RoPE (one cos/sin
-    pair for all), the program also rotates it and it replaces the sum.  One
-    head size for all, half a head whole sticks."""
+    the transpose; a per-head RMS norm before the transpose (Qwen3's q_norm
+    and k_norm, one epsilon for all) is done by the program too; when the
+    transpose is read only as transformers' RoPE (one cos/sin pair for all),
+    the program also rotates it and it replaces the sum.  One head size for
+    all, half a head whole sticks."""
     from torch_spyre.layout import stick_elems
 
     if sv.dim() != 3:
         return None
     b, s = sv.shape[0], sv.shape[1]
     splits = [rope_match.head_split(mm, b, s) for mm in mms]
-    sizes = {d for found in splits if found is not None for _, d in [found]}
+    # head norms: 16-bit-matching weights [d] and one epsilon, else not fused
+    epss = {f[2][1] for f in splits if f is not None and f[2] is not None}
+    splits = [
+        f
+        if f is None
+        or f[2] is None
+        or (
+            len(epss) == 1
+            and isinstance(f[2][0].meta.get("val"), torch.Tensor)
+            and f[2][0].meta["val"].dtype == sv.dtype
+            and tuple(f[2][0].meta["val"].shape) == (f[1],)
+        )
+        else None
+        for f in splits
+    ]
+    sizes = {f[1] for f in splits if f is not None}
     if len(sizes) != 1:
         return None
     (hd,) = sizes
@@ -85,8 +124,7 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
         return None
     if any(mm.meta["val"].shape[-1] % hd for mm in mms):
         return None
-    ropes = [rope_match.rope_of(gm, t, hd) if t is not None else None for t, _ in
-             (f if f is not None else (None, 0) for f in splits)]  # fmt: skip
+    ropes = [rope_match.rope_of(gm, f[0], hd) if f is not None else None for f in splits]
     tables = {(r[1], r[2]) for r in ropes if r is not None}
     ok = len(tables) == 1 and all(
         r is None or (r[0].meta["val"].dtype == sv.dtype and r[1].meta["val"].dtype == sv.dtype)
@@ -103,12 +141,24 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
     ]
     if not any(splits):
         return None
-    first = [f is not None for f in splits]
-    rope = [r is not None for r in ropes]
     stands = [
         (r[0] if r is not None else f[0]) if f is not None else None for f, r in zip(splits, ropes)
     ]
-    return hd, rope, first, cos, sin, stands
+    norms = [f[2][0] if f is not None and f[2] is not None else None for f in splits]
+    norm_eps = float(next(iter(epss))) if any(n is not None for n in norms) else 0.0
+    return _Heads(
+        hd, [r is not None for r in ropes], [f is not None for f in splits], cos, sin, stands,
+        norms, norm_eps,
+    )  # fmt: skip
+
+
+def _val_of(a):
+    """A node argument's value (fake), lists element-wise; anything else as is."""
+    if isinstance(a, torch.fx.Node):
+        return a.meta["val"]
+    if isinstance(a, list):
+        return [_val_of(x) for x in a]
+    return a
 
 
 def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
@@ -157,21 +207,20 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
             continue
         heads = _as_heads(gm, [mm for mm, _ in uses], sv)
         at = node
-        if heads is not None and heads[3] is not None:
-            # the op reads the rotary tables: it goes after them, so every
-            # node it replaces must be read only after that
+        if heads is not None:
+            # the op reads the rotary tables and head-norm weights: it goes
+            # after them, so every node it replaces must be read only after that
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            at = max((node, heads[3], heads[4]), key=order.__getitem__)
-            replaced = [st if st is not None else mm for st, (mm, _) in zip(heads[5], uses)]
+            reads = [x for x in (heads.cos, heads.sin, *heads.norms) if x is not None]
+            at = max((node, *reads), key=order.__getitem__)
+            replaced = [st if st is not None else mm for st, (mm, _) in zip(heads.stands, uses)]
             if any(order[u] <= order[at] for r in replaced for u in r.users):
                 continue
         args: tuple = (s, nw, eps, ws)
         vargs: tuple = (sv, nw.meta["val"], eps, wv)
         if heads is not None:
-            hd, rope, first, cos, sin, _ = heads
-            args += (cos, sin, hd, rope, first)
-            tv = (None, None) if cos is None else (cos.meta["val"], sin.meta["val"])
-            vargs += (*tv, hd, rope, first)
+            args += heads.args()
+            vargs += tuple(_val_of(a) for a in heads.args())
         with gm.graph.inserting_after(at):
             new = gm.graph.call_function(torch.ops.spyre.norm_projections.default, args)
         vals = torch.ops.spyre.norm_projections.default(*vargs)
@@ -182,10 +231,10 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
                 item = gm.graph.call_function(operator.getitem, (new, i))
             item.meta["val"] = vals[i]
             last = item
-            if heads is not None and heads[5][i] is not None:
-                # heads-first (and rotated): the node it stands for, replaced;
-                # the projection's views to it are dead
-                heads[5][i].replace_all_uses_with(item)
+            if heads is not None and heads.stands[i] is not None:
+                # heads-first (normed, rotated): the node it stands for,
+                # replaced; the projection's views to it are dead
+                heads.stands[i].replace_all_uses_with(item)
                 continue
             with gm.graph.inserting_after(item):
                 flat = gm.graph.call_function(

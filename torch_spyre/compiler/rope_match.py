@@ -29,28 +29,56 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def head_split(mm: torch.fx.Node, b: int, s: int) -> tuple[torch.fx.Node, int] | None:
-    """(``t``, head size) when the projection ``mm`` [b * s, N] is read only as
-    ``t = mm.view(b, s, N / d, d).transpose(1, 2)`` (through views that each
-    feed only the next); else None."""
+def head_split(mm: torch.fx.Node, b: int, s: int):
+    """(``t``, head size, head norm) when the projection ``mm`` [b * s, N] is
+    read only as ``t = mm.view(b, s, N / d, d).transpose(1, 2)`` (through views
+    that each feed only the next), or as ``t = norm(mm.view(b, s, N / d,
+    d)).transpose(1, 2)`` with ``norm`` an RMS norm over each head (Qwen3's
+    ``q_norm``; head norm = (weight, eps), its nodes read by nothing else);
+    else None."""
     node = mm
-    while True:
-        user = _sole_user(node)
-        if user is None:
-            return None
-        if _is(user, *VIEWS) and user.args[0] is node:
-            node = user
-            continue
-        shape = _shape(node)
-        if (
-            _is(user, "permute")
-            and list(user.args[1]) == _SWAP
-            and shape is not None
-            and len(shape) == 4
-            and shape[:2] == (b, s)
-        ):
-            return user, int(shape[3])
+    user = _sole_user(node)
+    while user is not None and _is(user, *VIEWS) and user.args[0] is node:
+        node, user = user, _sole_user(user)
+    shape = _shape(node)
+    if node is mm or shape is None or len(shape) != 4 or shape[:2] != (b, s):
         return None
+    norm = None
+    if not _is(user, "permute"):  # a norm's first nodes (an fp32 one reads x twice)
+        found = _head_norm(node)
+        if found is None:
+            return None
+        user, norm = found
+    if _is(user, "permute") and list(user.args[1]) == _SWAP:
+        return user, int(shape[3]), norm
+    return None
+
+
+def _head_norm(x: torch.fx.Node):
+    """(the transpose after it, (weight, eps)) when ``x`` [b, s, h, d] is read
+    only by an RMS norm over its last dim (``norm_match.rms_norm_of``) whose
+    output is read only by a transpose; else None."""
+    from torch_spyre.compiler.norm_match import rms_norm_of
+
+    todo, near = list(x.users), []
+    while todo and len(near) < 16:  # the norm is 8 nodes (9 with a cast)
+        n = todo.pop()
+        if n not in near:
+            near.append(n)
+            todo += list(n.users)
+    for out in near:
+        seen: list = []
+        found = rms_norm_of(out, seen)
+        if found is None or found[0] is not x:
+            continue
+        inner = set(seen) - {out}
+        if any(u not in inner and u is not out for n in inner for u in n.users):
+            return None
+        if any(u not in inner for u in x.users):
+            return None
+        perm = _sole_user(out)
+        return (perm, (found[1], found[2])) if perm is not None else None
+    return None
 
 
 #: ops that read their input as a value whatever its strides (a view's

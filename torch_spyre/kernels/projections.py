@@ -19,6 +19,7 @@ from torch_spyre.ir import (
     Operand,
     Program,
     ProgramError,
+    Reduce,
     RingAllReduce,
     Store,
     Vector,
@@ -43,12 +44,23 @@ class Heads:
     no pass over device memory).  ``first[i]``: output ``i`` is stored
     heads-first, [b, heads, m, dim] (what ``view(b, m, heads, dim)
     .transpose(1, 2).contiguous()`` gives: the layout attention reads),
-    else token-major [b, m, heads * dim].  A half must be whole sticks."""
+    else token-major [b, m, heads * dim].  A half must be whole sticks.
+
+    ``norm[i]``: output ``i``'s heads are RMS-normed before the rotation, as
+    Qwen3's ``q_norm``/``k_norm`` do (``LlamaRMSNorm`` over each head's
+    ``dim`` elements, epsilon ``norm_eps``, weight operand ``hn{i}``
+    [dim]): each head's sum of squares (over its halves' sticks, then the
+    two halves), ``rsqrt(mean + eps)``, times the weight, in the epilogue."""
 
     dim: int
     rope: tuple[bool, ...]
     first: tuple[bool, ...]
     cos_batch: int = 1
+    norm: tuple[bool, ...] = ()
+    norm_eps: float = 0.0
+
+    def normed(self, i: int) -> bool:
+        return bool(self.norm) and self.norm[i]
 
 
 def projection_block(widths: tuple[int, ...], dtype: torch.dtype) -> int | None:
@@ -215,8 +227,10 @@ def _head_projections(
             f"projections as heads of {hd}: half a head must be whole sticks of {se} "
             f"and every width ({widths}) whole heads"
         )
-    if len(heads.rope) != nw_ or len(heads.first) != nw_:
-        raise ProgramError(f"projections as heads: one rope and one layout flag per weight ({nw_})")
+    if len(heads.rope) != nw_ or len(heads.first) != nw_ or len(heads.norm) not in (0, nw_):
+        raise ProgramError(
+            f"projections as heads: one rope, layout and norm flag per weight ({nw_})"
+        )
     if any(heads.first) and not batched:
         raise ProgramError("projections stored heads-first need a batched x [b, m, k]")
     if heads.cos_batch not in (1, b):
@@ -256,6 +270,8 @@ def _head_projections(
             steps.append(Load(t, t, tidx, l2))
             buffers.append(Buffer(t, tdims, dtype))
         buffers.append(Buffer("rot", tile, acc))
+    if any(heads.norm):
+        buffers += [Buffer("hss", (*rows, "n", "j"), acc), Buffer("hs", (*rows, "n"), acc)]
     epilogue: list = []
     for i, w in enumerate(widths):
         operands.append(Operand(f"w{i}", _weight_as_heads(w, hd, k, dtype), "input"))
@@ -272,6 +288,19 @@ def _head_projections(
             ]
             if pk > 1:
                 epilogue.append(RingAllReduce(at, "k", "sum", l3))
+            if heads.normed(i):
+                if r == 0:
+                    steps.append(Load(f"hn{i}t", f"hn{i}", ("j", "e"), l2))
+                    buffers.append(Buffer(f"hn{i}t", ("j", "e"), dtype))
+                epilogue += [
+                    Reduce("sumsq", "hss", at, "e", l3),
+                    Reduce("sum", "hs", "hss", "j", l3),
+                    Vector("mul_scalar", "hs", ("hs",), (1.0 / hd,), l3),
+                    Vector("add_scalar", "hs", ("hs",), (float(heads.norm_eps),), l3),
+                    Vector("rsqrt", "hs", ("hs",), (), l3),
+                    Vector("mul", at, (at, "hs"), (), l3),
+                    Vector("mul", at, (at, f"hn{i}t"), (), l3),
+                ]
             if heads.rope[i]:
                 epilogue += [
                     Vector("rotate_half", "rot", (at,), (), l3, dim="j"),
@@ -297,12 +326,18 @@ def _head_projections(
     if norm_eps is not None:
         operands.append(Operand("nw", SpyreTensorLayout.default((k,), dtype), "input"))
         buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
+    for i in range(nw_):
+        if heads.normed(i):
+            # [dim] in its default layout ([dim sticks, stick]) as [2, dim / 2]
+            lay = SpyreTensorLayout((2, half), (2, half // se, se), (0, 1, 1), dtype)
+            operands.append(Operand(f"hn{i}", lay, "input"))
     if not batched:
         dims = [d for d in dims if d.name != "b"]
     return Program(
         name=name
         or f"projections_{b * m}x{k}x{'_'.join(map(str, widths))}"
         + ("_norm" if norm_eps is not None else "")
+        + ("_qknorm" if any(heads.norm) else "")
         + ("_rope" if any(heads.rope) else "")
         + ("_bhsd" if any(heads.first) else ""),
         dims=tuple(dims),

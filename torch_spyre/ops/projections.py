@@ -22,7 +22,14 @@ from torch_spyre.runtime import cards, dispatch_stats, launch, operands
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@torch.library.custom_op("spyre::norm_projections", mutates_args=())
+@torch.library.custom_op(
+    "spyre::norm_projections",
+    mutates_args=(),
+    # written out: infer_schema has no optional tensor list with a default
+    schema="(Tensor x, Tensor? nw, float eps, Tensor[] ws, Tensor? cos=None, Tensor? sin=None, "
+    "SymInt head_dim=0, bool[]? rope=None, bool[]? heads_first=None, Tensor[]? head_norms=None, "
+    "bool[]? head_normed=None, float head_norm_eps=0.0) -> Tensor[]",
+)
 def norm_projections(
     x: torch.Tensor,
     nw: torch.Tensor | None,
@@ -33,6 +40,9 @@ def norm_projections(
     head_dim: int = 0,
     rope: list[bool] | None = None,
     heads_first: list[bool] | None = None,
+    head_norms: list[torch.Tensor] | None = None,
+    head_normed: list[bool] | None = None,
+    head_norm_eps: float = 0.0,
 ) -> list[torch.Tensor]:
     """``[x_normed @ w.T for w in ws]``, x [..., K], each w [N_i, K].
 
@@ -40,12 +50,16 @@ def norm_projections(
     gives it as ``view(b, s, heads, head_dim).transpose(1, 2).contiguous()``
     (x [b, s, K]), and ``rope[i]`` rotates it as transformers'
     ``apply_rotary_pos_emb`` does with ``cos``, ``sin`` [1 or b, s,
-    head_dim]: ``o * cos + rotate_half(o) * sin``."""
+    head_dim]: ``o * cos + rotate_half(o) * sin``.  ``head_normed[i]``:
+    output ``i``'s heads are RMS-normed first (``rms_norm`` over each head,
+    ``head_norm_eps``), as Qwen3's ``q_norm`` and ``k_norm`` do, with the
+    next weight [head_dim] of ``head_norms``."""
     n = len(ws)
     rope = list(rope) if rope else [False] * n
     first = list(heads_first) if heads_first else [False] * n
-    if (head_dim or any(rope) or any(first)) and not _heads_args_ok(
-        x, ws, cos, sin, head_dim, rope, first
+    hn = _per_output(head_norms, head_normed, n)
+    if (head_dim or any(rope) or any(first) or head_normed) and not _heads_args_ok(
+        x, ws, cos, sin, head_dim, rope, first, hn
     ):
         raise ValueError(
             f"spyre::norm_projections: heads of {head_dim} need x [b, s, K], widths of whole "
@@ -53,16 +67,24 @@ def norm_projections(
             "and cos/sin [1 or b, s, head_dim] when any output is rotated"
         )
     if x.device.type == "spyre":
-        out = _device_projections(x, nw, float(eps), ws, cos, sin, head_dim, rope, first)
+        out = _device_projections(
+            x, nw, float(eps), ws, cos, sin, head_dim, rope, first, hn, float(head_norm_eps)
+        )
         if out is not None:
             return out
     h = x if nw is None else rms_norm(x, nw, eps)
     outs = [F.linear(h, w) for w in ws]
-    return [_as_heads(o, cos, sin, head_dim, r, f) for o, r, f in zip(outs, rope, first)]
+    return [
+        _as_heads(o, cos, sin, head_dim, r, f, g, head_norm_eps)
+        for o, r, f, g in zip(outs, rope, first, hn)
+    ]
 
 
 @norm_projections.register_fake
-def _(x, nw, eps, ws, cos=None, sin=None, head_dim=0, rope=None, heads_first=None):
+def _(
+    x, nw, eps, ws, cos=None, sin=None, head_dim=0, rope=None, heads_first=None,
+    head_norms=None, head_normed=None, head_norm_eps=0.0,
+):  # fmt: skip
     first = list(heads_first) if heads_first else [False] * len(ws)
     out = []
     for w, f in zip(ws, first):
@@ -74,8 +96,24 @@ def _(x, nw, eps, ws, cos=None, sin=None, head_dim=0, rope=None, heads_first=Non
     return out
 
 
-def _heads_args_ok(x, ws, cos, sin, head_dim, rope, first) -> bool:
-    if head_dim <= 0 or len(rope) != len(ws) or len(first) != len(ws):
+def _per_output(weights, flags, n: int) -> list:
+    """The head-norm weight of each of ``n`` outputs (None: not normed); a
+    flag list and weight count that disagree give a list of the wrong length."""
+    if not flags:
+        return [None] * n
+    it = iter(weights or [])
+    out = [next(it, None) if f else None for f in flags]
+    return (
+        out
+        if next(it, None) is None and all(w is not None for w, f in zip(out, flags) if f)
+        else []
+    )
+
+
+def _heads_args_ok(x, ws, cos, sin, head_dim, rope, first, hn) -> bool:
+    if head_dim <= 0 or len(rope) != len(ws) or len(first) != len(ws) or len(hn) != len(ws):
+        return False
+    if any(g is not None and tuple(g.shape) != (head_dim,) for g in hn):
         return False
     if any(w.shape[0] % head_dim for w in ws) or (any(first) and x.dim() != 3):
         return False
@@ -92,12 +130,16 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
 
 
-def _as_heads(o, cos, sin, head_dim: int, rope: bool, first: bool) -> torch.Tensor:
+def _as_heads(
+    o, cos, sin, head_dim: int, rope: bool, first: bool, hn=None, hn_eps: float = 0.0
+) -> torch.Tensor:
     """Output ``o`` [b, s, N] as the op gives it (see ``norm_projections``)."""
-    if not (rope or first):
+    if not (rope or first or hn is not None):
         return o
     b, s = o.shape[0], o.shape[1]
     o = o.view(b, s, -1, head_dim)
+    if hn is not None:
+        o = rms_norm(o, hn, hn_eps)
     if first:
         o = o.transpose(1, 2)
     if rope:
@@ -107,7 +149,7 @@ def _as_heads(o, cos, sin, head_dim: int, rope: bool, first: bool) -> torch.Tens
 
 
 def _device_projections(
-    x, nw, eps: float, ws, cos=None, sin=None, head_dim=0, rope=(), first=()
+    x, nw, eps: float, ws, cos=None, sin=None, head_dim=0, rope=(), first=(), hn=(), hn_eps=0.0
 ) -> list[torch.Tensor] | None:
     from torch_spyre.kernels.projections import Heads, best_norm_projections, projection_block
 
@@ -124,13 +166,17 @@ def _device_projections(
     lead = tuple(x.shape[:-1])
     b, m, batched, xx = activation_rows(x)
     heads = None
-    if any(rope) or any(first):
+    normed = tuple(g is not None for g in hn) if any(g is not None for g in hn) else ()
+    if any(rope) or any(first) or normed:
         if any(rope) and (cos.dtype != x.dtype or sin.dtype != x.dtype or cos.shape != sin.shape):
+            return None
+        if any(g is not None and g.dtype != x.dtype for g in hn):
             return None
         cb = int(cos.shape[0]) if any(rope) else 1
         heads = Heads(
-            int(head_dim), tuple(bool(r) for r in rope), tuple(bool(f) for f in first), cb
-        )
+            int(head_dim), tuple(bool(r) for r in rope), tuple(bool(f) for f in first), cb,
+            normed, float(hn_eps) if normed else 0.0,
+        )  # fmt: skip
     dev = x.device
     norm_eps = None if nw is None else eps
     key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps, heads)
@@ -163,6 +209,9 @@ def _device_projections(
     if heads is not None and any(heads.rope):
         bufs["cos"] = operands.device_memory(operands.whole(cos))
         bufs["sin"] = operands.device_memory(operands.whole(sin))
+    for i, g in enumerate(hn):
+        if g is not None:
+            bufs[f"hn{i}"] = operands.device_memory(operands.whole(g))
     kern.launch_memory(dev.index or 0, bufs)
     dispatch_stats.record("kernel", "norm_projections")
     return outs
