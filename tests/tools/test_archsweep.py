@@ -41,6 +41,40 @@ def test_tiny_configs_keep_each_architecture_and_shrink_it():
             assert v is None or isinstance(v, list) or v < c.vocab_size
 
 
+def test_wide_configs_have_heads_the_attention_fusions_take():
+    """``--wide``: heads of 64 (half a head one fp32 stick) at width 256,
+    everything else as the tiny config; the tiny config is unchanged."""
+    wide = configs.tiny_config("llama", hidden=configs.WIDE_HIDDEN)
+    assert (wide.hidden_size, wide.num_attention_heads, wide.head_dim) == (256, 4, 64)
+    assert wide.intermediate_size == 512 and wide.num_hidden_layers == 2
+    assert configs.tiny_config("llama").head_dim == 16
+
+
+@pytest.mark.parametrize("name", ["llama", "helium"])
+def test_a_wide_model_compiles_its_attention_half_into_one_program(name):
+    """A wide model at 64 tokens through the sweep's runner: eager and
+    compiled match the CPU.  Llama's prefill runs the norm, Q, K, V, RoPE
+    and head split as one program per layer (the launch cache holds it).
+    Helium's interleaved rotary is lane steps that view a negated slice of
+    the head split in its token-major strides: its Q and K stay token-major
+    (the `--wide` sweep's CI sample found its compile raising when they did
+    not)."""
+    from torch_spyre.runtime import launch
+
+    launch.clear_cache()
+    (mt,) = [m for m in configs.model_types() if m.name == name]
+    row = run.run_type(mt, compile=True, wide=True)
+    assert row.status == "ok" and row.mode == "decode", row
+    assert (row.eager.verdict, row.compiled.verdict) == ("match", "match"), row
+    fused = [
+        k[-1] for k in launch._cache if isinstance(k, tuple) and k and k[0] == "norm_projections"
+    ]
+    if name == "llama":
+        assert fused and all(h is not None and any(h.rope) and all(h.first) for h in fused)
+    else:
+        assert all(h is None or not any(h.rope) for h in fused), fused
+
+
 def test_layer_pattern_keeps_every_kind():
     assert configs._layer_pattern(["a"] * 5 + ["b"] + ["a"] * 3, 2) == ["a", "a", "b"]
     assert configs._layer_pattern(["a", "b", "a", "b"], 2) == ["a", "b"]
@@ -75,7 +109,7 @@ def test_compare_flags_a_wrong_step_and_a_wrong_token_but_not_rounding():
 
 
 def test_a_type_that_does_not_run_on_the_cpu_is_a_cpu_error_row(monkeypatch):
-    def broken(mt, variant=0):
+    def broken(mt, variant=0, wide=False):
         raise ValueError(f"bad default config {variant}")
 
     monkeypatch.setattr(run, "build", broken)

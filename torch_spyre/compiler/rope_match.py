@@ -87,19 +87,31 @@ _STRIDE_FREE_VIEWS = ("permute", "transpose", "unsqueeze", "squeeze", "expand", 
                       "select", "reshape")  # fmt: skip
 
 
+def _keeps_strides(u: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``u``'s output strides follow its input ``node``'s: a view of
+    it, or a pointwise op (its output takes its inputs' memory format)."""
+    if _is(u, *_STRIDE_FREE_VIEWS) and u.args[0] is node:
+        return True
+    tags = getattr(u.target, "tags", ()) if u.op == "call_function" else ()
+    return torch.Tag.pointwise in tags
+
+
 def layout_free(t: torch.fx.Node) -> bool:
-    """Whether every reader of ``t`` (through views) takes it by value, so it
-    may be given contiguous: no ``view`` whose validity depends on ``t``'s
-    strides (``passes._rows_matmul`` views the rows of a transposed tensor
-    in its memory order) and no ``as_strided``; not returned either (a graph
-    output keeps the strides eager gives it: a copy)."""
-    todo = [t]
+    """Whether every reader of ``t`` takes it by value, so it may be given
+    contiguous: through its views and the pointwise ops whose strides follow
+    it, no ``view`` whose validity depends on those strides
+    (``passes._rows_matmul`` views the rows of a transposed tensor in its
+    memory order; the lane steps of an interleaved rotary view a negated
+    slice) and no ``as_strided``; not returned either (a graph output keeps
+    the strides eager gives it: a copy)."""
+    todo, seen = [t], {t}
     while todo:
         node = todo.pop()
         for u in node.users:
             if u.op == "output" or _is(u, "view", "_unsafe_view", "as_strided"):
                 return False
-            if _is(u, *_STRIDE_FREE_VIEWS) and u.args[0] is node:
+            if u not in seen and _keeps_strides(u, node):
+                seen.add(u)
                 todo.append(u)
     return True
 

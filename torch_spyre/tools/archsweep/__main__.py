@@ -5,6 +5,7 @@ ships, tiny and random, on the card (eager and compiled) against the CPU.
     python -m torch_spyre.tools.archsweep --sample ci      # the CI sample
     python -m torch_spyre.tools.archsweep --types llama,olmoe --out /tmp/s.jsonl
     python -m torch_spyre.tools.archsweep --write-doc docs/models.md   # the table
+    python -m torch_spyre.tools.archsweep --wide --out /tmp/wide.jsonl  # heads of 64, 64 tokens
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eager-only", action="store_true", help="skip the compiled path")
     p.add_argument("--write-doc", metavar="MD", help="write the table into this markdown file")
     p.add_argument("--list", action="store_true", help="list the model types and stop")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="heads of 64 and 64-token prompts (the shapes the attention fusions need)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--progress", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -38,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(a.out)
     if a.worker:
-        sw.worker(types, out, Path(a.progress), compile=not a.eager_only)
+        sw.worker(types, out, Path(a.progress), compile=not a.eager_only, wide=a.wide)
         return 0
-    rows = sw.sweep(types, out, jobs=a.jobs, timeout=a.timeout, compile=not a.eager_only)
+    rows = sw.sweep(
+        types, out, jobs=a.jobs, timeout=a.timeout, compile=not a.eager_only, wide=a.wide
+    )
     chosen = [rows[m.name] for m in types if m.name in rows]
     print("\n".join(table.totals(chosen).lines()))
     if a.write_doc:

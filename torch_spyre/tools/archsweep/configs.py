@@ -26,97 +26,108 @@ HEAD_DIM = HIDDEN // HEADS
 LAYERS = 2
 VOCAB = 256
 POSITIONS = 128
+#: ``--wide``: heads of 64 (half a head one fp32 stick: the head-split and
+#: RoPE epilogues of the projections program apply) and prompts of 64
+#: tokens (the row count where the norm and projections fuse)
+WIDE_HIDDEN = 256
 
-#: attribute -> shrunk value (applied where the default is larger)
-_SIZES: dict[str, int] = {
-    # widths
-    "hidden_size": HIDDEN,
-    "d_model": HIDDEN,
-    "n_embd": HIDDEN,
-    "embed_dim": HIDDEN,
-    "model_dim": HIDDEN,
-    "dim": HIDDEN,
-    "embedding_size": HIDDEN,
-    "word_embed_proj_dim": HIDDEN,
-    "hidden_dim": HIDDEN,
-    # heads
-    "num_attention_heads": HEADS,
-    "n_head": HEADS,
-    "n_heads": HEADS,
-    "num_heads": HEADS,
-    "encoder_attention_heads": HEADS,
-    "decoder_attention_heads": HEADS,
-    "head_dim": HEAD_DIM,
-    "rotary_dim": HEAD_DIM // 2,
-    "d_kv": HEAD_DIM,
-    "attention_head_size": HEAD_DIM,
-    "kv_channels": HEAD_DIM,
-    "num_key_value_heads": 2,
-    "num_kv_heads": 2,
-    "n_head_kv": 2,
-    "multi_query_group_num": 2,
-    # feed-forward
-    "intermediate_size": 2 * HIDDEN,
-    "ffn_dim": 2 * HIDDEN,
-    "n_inner": 2 * HIDDEN,
-    "d_ff": 2 * HIDDEN,
-    "ffn_hidden_size": 2 * HIDDEN,
-    "encoder_ffn_dim": 2 * HIDDEN,
-    "decoder_ffn_dim": 2 * HIDDEN,
-    "inner_hidden_size": 2 * HIDDEN,
-    "dense_intermediate_size": 2 * HIDDEN,
-    # mixtures of experts
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_experts_per_token": 2,
-    "moe_k": 2,
-    "top_k": 2,
-    "moe_topk": 2,
-    "moe_intermediate_size": HIDDEN,
-    "expert_intermediate_size": HIDDEN,
-    "shared_expert_intermediate_size": HIDDEN,
-    "shared_intermediate_size": 2 * HIDDEN,
-    "n_shared_experts": 1,
-    "num_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    # latent attention
-    "kv_lora_rank": 32,
-    "q_lora_rank": 48,
-    "qk_rope_head_dim": HEAD_DIM,
-    "qk_nope_head_dim": HEAD_DIM,
-    "v_head_dim": HEAD_DIM,
-    "index_head_dim": HEAD_DIM,
-    "index_n_heads": 2,
-    # state-space and linear-attention layers
-    "mamba_n_heads": HEADS,
-    "mamba_d_head": 2 * HEAD_DIM,
-    "mamba_d_state": 16,
-    "state_size": 16,
-    "ssm_state_size": 16,
-    "mamba_n_groups": 1,
-    "n_groups": 1,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": HEAD_DIM,
-    "linear_value_head_dim": HEAD_DIM,
-    "time_step_rank": 8,
-    "lru_width": HIDDEN,
-    # vocabulary and positions
-    "vocab_size": VOCAB,
-    "max_position_embeddings": POSITIONS,
-    "n_positions": POSITIONS,
-    "n_ctx": POSITIONS,
-    "max_seq_len": POSITIONS,
-    "seq_length": POSITIONS,
-    "sliding_window": 8,
-    "attention_window": 8,
-    "num_buckets": 8,
-    "max_distance": 32,
-}
+
+def _size_table(hidden: int) -> dict[str, int]:
+    """attribute -> shrunk value (applied where the default is larger), for
+    models ``hidden`` wide (heads of ``hidden // HEADS``)."""
+    HIDDEN, HEAD_DIM = hidden, hidden // HEADS  # noqa: N806 (the table's names)
+    return {
+        # widths
+        "hidden_size": HIDDEN,
+        "d_model": HIDDEN,
+        "n_embd": HIDDEN,
+        "embed_dim": HIDDEN,
+        "model_dim": HIDDEN,
+        "dim": HIDDEN,
+        "embedding_size": HIDDEN,
+        "word_embed_proj_dim": HIDDEN,
+        "hidden_dim": HIDDEN,
+        # heads
+        "num_attention_heads": HEADS,
+        "n_head": HEADS,
+        "n_heads": HEADS,
+        "num_heads": HEADS,
+        "encoder_attention_heads": HEADS,
+        "decoder_attention_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "rotary_dim": HEAD_DIM // 2,
+        "d_kv": HEAD_DIM,
+        "attention_head_size": HEAD_DIM,
+        "kv_channels": HEAD_DIM,
+        "num_key_value_heads": 2,
+        "num_kv_heads": 2,
+        "n_head_kv": 2,
+        "multi_query_group_num": 2,
+        # feed-forward
+        "intermediate_size": 2 * HIDDEN,
+        "ffn_dim": 2 * HIDDEN,
+        "n_inner": 2 * HIDDEN,
+        "d_ff": 2 * HIDDEN,
+        "ffn_hidden_size": 2 * HIDDEN,
+        "encoder_ffn_dim": 2 * HIDDEN,
+        "decoder_ffn_dim": 2 * HIDDEN,
+        "inner_hidden_size": 2 * HIDDEN,
+        "dense_intermediate_size": 2 * HIDDEN,
+        # mixtures of experts
+        "num_experts": 4,
+        "num_local_experts": 4,
+        "n_routed_experts": 4,
+        "moe_num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_experts_per_token": 2,
+        "moe_k": 2,
+        "top_k": 2,
+        "moe_topk": 2,
+        "moe_intermediate_size": HIDDEN,
+        "expert_intermediate_size": HIDDEN,
+        "shared_expert_intermediate_size": HIDDEN,
+        "shared_intermediate_size": 2 * HIDDEN,
+        "n_shared_experts": 1,
+        "num_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        # latent attention
+        "kv_lora_rank": 32,
+        "q_lora_rank": 48,
+        "qk_rope_head_dim": HEAD_DIM,
+        "qk_nope_head_dim": HEAD_DIM,
+        "v_head_dim": HEAD_DIM,
+        "index_head_dim": HEAD_DIM,
+        "index_n_heads": 2,
+        # state-space and linear-attention layers
+        "mamba_n_heads": HEADS,
+        "mamba_d_head": 2 * HEAD_DIM,
+        "mamba_d_state": 16,
+        "state_size": 16,
+        "ssm_state_size": 16,
+        "mamba_n_groups": 1,
+        "n_groups": 1,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": HEAD_DIM,
+        "linear_value_head_dim": HEAD_DIM,
+        "time_step_rank": 8,
+        "lru_width": HIDDEN,
+        # vocabulary and positions
+        "vocab_size": VOCAB,
+        "max_position_embeddings": POSITIONS,
+        "n_positions": POSITIONS,
+        "n_ctx": POSITIONS,
+        "max_seq_len": POSITIONS,
+        "seq_length": POSITIONS,
+        "sliding_window": 8,
+        "attention_window": 8,
+        "num_buckets": 8,
+        "max_distance": 32,
+    }
+
+
+_SIZES = _size_table(HIDDEN)
 
 _LAYER_COUNTS = (
     "num_hidden_layers",
@@ -183,12 +194,14 @@ def _layer_pattern(values: list[Any], n: int) -> list[Any]:
     return head
 
 
-def _shrunk_kwargs(cfg: transformers.PretrainedConfig) -> dict[str, Any]:
+def _shrunk_kwargs(
+    cfg: transformers.PretrainedConfig, sizes: dict[str, int] = _SIZES
+) -> dict[str, Any]:
     """Constructor arguments that shrink ``cfg`` (a default instance)."""
     aliases = set(getattr(type(cfg), "attribute_map", {}) or {})
     kw: dict[str, Any] = {}
     own = vars(cfg)
-    for name, small in _SIZES.items():
+    for name, small in sizes.items():
         if name in aliases or name not in own:
             continue
         v = own[name]
@@ -225,7 +238,7 @@ def _shrunk_kwargs(cfg: transformers.PretrainedConfig) -> dict[str, Any]:
                 kw[name] = [min(x, vocab - 1) for x in v]
     for name, v in own.items():
         if isinstance(v, transformers.PretrainedConfig):
-            kw[name] = _shrunk_kwargs(v)
+            kw[name] = _shrunk_kwargs(v, sizes)
     return kw
 
 
@@ -237,12 +250,15 @@ VARIANTS: tuple[dict[str, Any], ...] = (
 )
 
 
-def tiny_config(model_type: str, variant: int = 0) -> transformers.PretrainedConfig:
+def tiny_config(
+    model_type: str, variant: int = 0, hidden: int = HIDDEN
+) -> transformers.PretrainedConfig:
     """The type's config class built from its defaults with the sizes shrunk
-    (``variant``: an index into ``VARIANTS``)."""
+    (``variant``: an index into ``VARIANTS``; ``hidden``: the width, heads of
+    ``hidden // HEADS``)."""
     cls = configuration_auto.CONFIG_MAPPING[model_type]
     default = cls()
-    kw = _shrunk_kwargs(default)
+    kw = _shrunk_kwargs(default, _SIZES if hidden == HIDDEN else _size_table(hidden))
     kw.update({k: v for k, v in VARIANTS[variant].items() if k in kw})
     cfg = cls(**kw)
     # a layer-type list a config derived from the old depth is cut to the new one

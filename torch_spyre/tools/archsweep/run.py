@@ -28,10 +28,12 @@ from typing import Any
 
 import torch
 
-from torch_spyre.tools.archsweep.configs import VARIANTS, ModelType, tiny_config
+from torch_spyre.tools.archsweep.configs import VARIANTS, WIDE_HIDDEN, ModelType, tiny_config
 
 STEPS = 4
 PROMPT = 8
+#: ``--wide``'s prompt: 64 rows, where the norm and projections fuse
+WIDE_PROMPT = 64
 RTOL = 1e-3
 ATOL = 1e-4
 
@@ -80,10 +82,10 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:300]}"
 
 
-def build(mt: ModelType, variant: int = 0) -> torch.nn.Module:
+def build(mt: ModelType, variant: int = 0, wide: bool = False) -> torch.nn.Module:
     import transformers
 
-    cfg = tiny_config(mt.name, variant)
+    cfg = tiny_config(mt.name, variant, **({"hidden": WIDE_HIDDEN} if wide else {}))
     cls = getattr(transformers, mt.model_class)
     torch.manual_seed(0)
     model = cls._from_config(cfg, dtype=torch.float32)
@@ -106,13 +108,13 @@ def _break_ties(model: torch.nn.Module) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-def _inputs(model: torch.nn.Module) -> torch.Tensor:
+def _inputs(model: torch.nn.Module, prompt: int = PROMPT) -> torch.Tensor:
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     vocab = int(getattr(text, "vocab_size", 256) or 256)
     g = torch.Generator().manual_seed(1)
     # ids above the special tokens a tiny config moves to the top of the vocabulary
-    return torch.randint(3, max(vocab - 16, 4), (1, PROMPT), generator=g)
+    return torch.randint(3, max(vocab - 16, 4), (1, prompt), generator=g)
 
 
 def _out_tensor(out: Any) -> torch.Tensor:
@@ -205,8 +207,8 @@ def run_path(ref_model, ref: Reference, ids, *, compile: bool) -> PathResult:
     return res
 
 
-def run_type(mt: ModelType, *, compile: bool = True) -> Row:
-    """The row of one model type."""
+def run_type(mt: ModelType, *, compile: bool = True, wide: bool = False) -> Row:
+    """The row of one model type (``wide``: heads of 64, a 64-token prompt)."""
     import warnings
 
     row = Row(mt.name, mt.family)
@@ -219,9 +221,9 @@ def run_type(mt: ModelType, *, compile: bool = True) -> Row:
         warnings.simplefilter("ignore")
         for variant in range(len(VARIANTS)):
             try:
-                model = build(mt, variant)
+                model = build(mt, variant, wide)
                 row.params_m = sum(p.numel() for p in model.parameters()) / 1e6
-                ids = _inputs(model)
+                ids = _inputs(model, WIDE_PROMPT if wide else PROMPT)
                 ref = reference(model, ids)
                 break
             except Exception as e:  # noqa: BLE001 - the next variant, or a cpu-error row

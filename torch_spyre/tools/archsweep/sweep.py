@@ -90,13 +90,15 @@ def _append(path: Path, row: Row) -> None:
         os.close(fd)
 
 
-def worker(types: list[ModelType], out: Path, progress: Path, compile: bool) -> None:
+def worker(
+    types: list[ModelType], out: Path, progress: Path, compile: bool, wide: bool = False
+) -> None:
     """Run ``types`` in this process, one row each appended to ``out``."""
     from torch_spyre.tools.archsweep.run import run_type
 
     for mt in types:
         progress.write_text(f"{mt.name} {time.time()}\n")
-        _append(out, run_type(mt, compile=compile))
+        _append(out, run_type(mt, compile=compile, wide=wide))
     progress.write_text("")
 
 
@@ -104,11 +106,15 @@ def worker(types: list[ModelType], out: Path, progress: Path, compile: bool) -> 
 WORKER: list[str] = [sys.executable, "-m", "torch_spyre.tools.archsweep", "--worker"]
 
 
-def _spawn(names: list[str], out: Path, progress: Path, compile: bool) -> subprocess.Popen:
+def _spawn(
+    names: list[str], out: Path, progress: Path, compile: bool, wide: bool
+) -> subprocess.Popen:
     cmd = [*WORKER, "--out", str(out), "--progress", str(progress)]
     cmd += ["--types", ",".join(names)]
     if not compile:
         cmd.append("--eager-only")
+    if wide:
+        cmd.append("--wide")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -120,6 +126,7 @@ def sweep(
     jobs: int = 1,
     timeout: float = 600.0,
     compile: bool = True,
+    wide: bool = False,
     echo=print,
 ) -> dict[str, Row]:
     """Run every type not yet in ``out``; returns all rows of ``out``."""
@@ -149,7 +156,7 @@ def sweep(
             proc = w["proc"]
             if proc is None:
                 w["prog"].write_text("")
-                w["proc"] = _spawn(w["left"], out, w["prog"], compile)
+                w["proc"] = _spawn(w["left"], out, w["prog"], compile, wide)
                 continue
             current, started = _current(w["prog"])
             over = current is not None and time.time() - started > timeout
