@@ -215,7 +215,7 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
             at = max((node, *reads), key=order.__getitem__)
             replaced = [st if st is not None else mm for st, (mm, _) in zip(heads.stands, uses)]
             if any(order[u] <= order[at] for r in replaced for u in r.users):
-                continue
+                heads, at = None, node  # read before the tables: the plain projections
         args: tuple = (s, nw, eps, ws)
         vargs: tuple = (sv, nw.meta["val"], eps, wv)
         if heads is not None:

@@ -12,6 +12,8 @@ checked to be ``rotate_half``'s."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from torch_spyre.compiler.fx_match import VIEWS
@@ -87,13 +89,21 @@ _STRIDE_FREE_VIEWS = ("permute", "transpose", "unsqueeze", "squeeze", "expand", 
                       "select", "reshape")  # fmt: skip
 
 
-def _keeps_strides(u: torch.fx.Node, node: torch.fx.Node) -> bool:
-    """Whether ``u``'s output strides follow its input ``node``'s: a view of
-    it, or a pointwise op (its output takes its inputs' memory format)."""
-    if _is(u, *_STRIDE_FREE_VIEWS) and u.args[0] is node:
+def _keeps_strides(u: torch.fx.Node) -> bool:
+    """Whether ``u``'s output strides may follow its input's: a view (an op
+    whose schema returns an alias of an input: split, slice, unsqueeze, ...;
+    an item of a split's tuple), or a pointwise op (its output takes its
+    inputs' memory format)."""
+    if u.op != "call_function":
+        return False
+    if u.target is operator.getitem or _is(u, *_STRIDE_FREE_VIEWS):
         return True
-    tags = getattr(u.target, "tags", ()) if u.op == "call_function" else ()
-    return torch.Tag.pointwise in tags
+    schema = getattr(u.target, "_schema", None)
+    if schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    ):
+        return True
+    return torch.Tag.pointwise in getattr(u.target, "tags", ())
 
 
 def layout_free(t: torch.fx.Node) -> bool:
@@ -110,7 +120,7 @@ def layout_free(t: torch.fx.Node) -> bool:
         for u in node.users:
             if u.op == "output" or _is(u, "view", "_unsafe_view", "as_strided"):
                 return False
-            if u not in seen and _keeps_strides(u, node):
+            if u not in seen and _keeps_strides(u):
                 seen.add(u)
                 todo.append(u)
     return True

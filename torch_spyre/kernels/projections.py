@@ -33,15 +33,15 @@ from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 @dataclass(frozen=True)
 class Heads:
     """The outputs as attention heads of ``dim`` elements (``x @ w.T`` viewed
-    as [b, m, heads, dim]), each head's two halves accumulated apart.
+    as [b, m, heads, dim]), each head's two halves along a dim ``j`` of two.
 
     ``rope[i]``: output ``i`` is rotated as transformers'
     ``apply_rotary_pos_emb`` does, ``o * cos + rotate_half(o) * sin``
     (``rotate_half(o) = cat(-o[..., dim/2:], o[..., :dim/2])``), by the
-    operands ``cos`` and ``sin`` [cos_batch, m, dim]: with the halves in two
-    accumulators the rotation is four products and two sums of whole sticks
-    on the vector units, in the epilogue, before the store (no lane shuffle,
-    no pass over device memory).  ``first[i]``: output ``i`` is stored
+    operands ``cos`` and ``sin`` [cos_batch, m, dim]: with the halves along
+    ``j`` the rotation is a ``rotate_half`` vector step moving whole sticks,
+    two products and a sum on the vector units, in the epilogue, before the
+    store (no lane shuffle, no pass over device memory).  ``first[i]``: output ``i`` is stored
     heads-first, [b, heads, m, dim] (what ``view(b, m, heads, dim)
     .transpose(1, 2).contiguous()`` gives: the layout attention reads),
     else token-major [b, m, heads * dim].  A half must be whole sticks.
@@ -117,10 +117,10 @@ def norm_projections(
     stalling it (twice their LX).
 
     ``heads``: the outputs as attention heads (``Heads``): the column dim
-    ``n`` counts the heads of a block (``tiles``' ``tn`` too), the dim ``e``
-    is half a head, and every weight block is read as its heads' two halves
-    (operand ``w_i`` [widths[i] / dim, 2, dim / 2, k], the bytes of [widths[i],
-    k]), so RoPE and a heads-first store are epilogues of the tile.
+    ``n`` counts the heads of a block (``tiles``' ``tn`` too), ``j`` the two
+    halves of a head and ``e`` a half's elements (operand ``w_i`` [widths[i]
+    / dim, 2, dim / 2, k], the bytes of [widths[i], k]), so a head norm, RoPE
+    and a heads-first store are epilogues of the tile.
     """
     cfg = config or HardwareConfig()
     n = projection_block(widths, dtype)

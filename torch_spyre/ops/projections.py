@@ -63,8 +63,9 @@ def norm_projections(
     ):
         raise ValueError(
             f"spyre::norm_projections: heads of {head_dim} need x [b, s, K], widths of whole "
-            f"heads, one rope and layout flag per weight ({len(rope)}, {len(first)} for {n}) "
-            "and cos/sin [1 or b, s, head_dim] when any output is rotated"
+            f"heads, one rope and layout flag per weight ({len(rope)}, {len(first)} for {n}), "
+            "a head-norm weight [head_dim] for each normed output, and cos/sin [1 or b, s, "
+            "head_dim] when any output is rotated"
         )
     if x.device.type == "spyre":
         out = _device_projections(
@@ -115,11 +116,11 @@ def _heads_args_ok(x, ws, cos, sin, head_dim, rope, first, hn) -> bool:
         return False
     if any(g is not None and tuple(g.shape) != (head_dim,) for g in hn):
         return False
-    if any(w.shape[0] % head_dim for w in ws) or (any(first) and x.dim() != 3):
+    if any(w.shape[0] % head_dim for w in ws) or x.dim() != 3:
         return False
     if not any(rope):
         return True
-    if cos is None or sin is None or x.dim() != 3 or head_dim % 2:
+    if cos is None or sin is None or head_dim % 2:
         return False
     b, s = x.shape[0], x.shape[1]
     return all(t.shape in ((1, s, head_dim), (b, s, head_dim)) for t in (cos, sin))
