@@ -219,8 +219,9 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
         args: tuple = (s, nw, eps, ws)
         vargs: tuple = (sv, nw.meta["val"], eps, wv)
         if heads is not None:
-            args += heads.args()
-            vargs += tuple(_val_of(a) for a in heads.args())
+            extra = heads.args()
+            args += extra
+            vargs += tuple(_val_of(a) for a in extra)
         with gm.graph.inserting_after(at):
             new = gm.graph.call_function(torch.ops.spyre.norm_projections.default, args)
         vals = torch.ops.spyre.norm_projections.default(*vargs)

@@ -83,20 +83,14 @@ def _head_norm(x: torch.fx.Node):
     return None
 
 
-#: ops that read their input as a value whatever its strides (a view's
-#: view of a transposed tensor is valid only for those strides)
-_STRIDE_FREE_VIEWS = ("permute", "transpose", "unsqueeze", "squeeze", "expand", "slice",
-                      "select", "reshape")  # fmt: skip
-
-
 def _keeps_strides(u: torch.fx.Node) -> bool:
     """Whether ``u``'s output strides may follow its input's: a view (an op
-    whose schema returns an alias of an input: split, slice, unsqueeze, ...;
-    an item of a split's tuple), or a pointwise op (its output takes its
-    inputs' memory format)."""
+    whose schema returns an alias of an input: split, slice, unsqueeze,
+    reshape, ...; an item of a split's tuple), or a pointwise op (its output
+    takes its inputs' memory format)."""
     if u.op != "call_function":
         return False
-    if u.target is operator.getitem or _is(u, *_STRIDE_FREE_VIEWS):
+    if u.target is operator.getitem:
         return True
     schema = getattr(u.target, "_schema", None)
     if schema is not None and any(
@@ -136,12 +130,8 @@ def _is_rotate_half_table(gm: torch.fx.GraphModule, table: torch.fx.Node, d: int
         return False
     if tuple(t.shape) != (d, d) or d % 2:
         return False
-    h = d // 2
-    want = torch.zeros(d, d, dtype=t.dtype)
-    idx = torch.arange(h)
-    want[h + idx, idx] = -1
-    want[idx, h + idx] = 1
-    return bool(torch.equal(t.cpu(), want))
+    eye = torch.eye(d, dtype=t.dtype)  # rotate_half(x) = x @ rotate_half(I)
+    return bool(torch.equal(t.cpu(), torch.cat((-eye[:, d // 2 :], eye[:, : d // 2]), 1)))
 
 
 def _table_of(mul: torch.fx.Node, x: torch.fx.Node) -> torch.fx.Node | None:
