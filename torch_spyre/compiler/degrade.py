@@ -3,6 +3,9 @@
 Inductor falls back to extern kernels for what it cannot lower; the spyre
 backend degrades the same way, in this order, in this one place:
 
+0. a graph sub-pass (a fusion, a route) whose rewrites Inductor's fake
+   propagation rejects is **dropped** for that graph, the graph restored to
+   what it was before it (``checked_passes.py``);
 1. a fused group that cannot be planned as one kernel program is **split**:
    into halves (in the group's order, so every half's inputs are computed
    before it), each planned, down to single nodes;
@@ -56,13 +59,13 @@ class EagerNode:
 
 #: process-wide counts: "split" (groups split), "eager" (nodes run eagerly),
 #: "eager_extern" (extern matmuls run as their eager kernel), "host" (nodes
-#: computed on the host from their IR)
+#: computed on the host from their IR), "pass" (graph sub-passes dropped)
 _counts: Counter[str] = Counter()
 
 
 def counts() -> dict[str, int]:
     """Degrade steps taken by the compiles of this process."""
-    return {k: _counts.get(k, 0) for k in ("split", "eager", "eager_extern", "host")}
+    return {k: _counts.get(k, 0) for k in ("split", "eager", "eager_extern", "host", "pass")}
 
 
 def reset_counts() -> None:
@@ -109,10 +112,16 @@ def step(kind: str, what: str, reason: str, state=None) -> None:
             state.degraded_nodes.append((what, reason))
     try:
         wrapper = V.graph.wrapper_code
-    except AttributeError:  # outside a graph's codegen (unit tests of the planner)
+    except AttributeError:  # outside a graph's codegen (a graph pass, unit tests)
         wrapper = None
     if wrapper is not None:
-        wrapper.header.writeline(f"spyre_rt.note_degraded([{(kind, what, reason)!r}])")
+        note(wrapper, kind, what, reason)
+
+
+def note(wrapper, kind: str, what: str, reason: str) -> None:
+    """Write the step into the compiled graph's header: its module reports
+    it when it loads (``runtime.compiled.note_degraded``)."""
+    wrapper.header.writeline(f"spyre_rt.note_degraded([{(kind, what, reason)!r}])")
 
 
 def plan_group(nodes: list, plan: Callable[[list], object], state=None) -> list:
@@ -140,6 +149,7 @@ __all__ = [
     "EagerNode",
     "SpyreCompileWarning",
     "counts",
+    "note",
     "plan_group",
     "reset_counts",
     "step",

@@ -46,7 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
-from torch_spyre.compiler import implicit_fallbacks
+from torch_spyre.compiler import checked_passes, implicit_fallbacks
 from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
@@ -688,33 +688,46 @@ def _dedupe_lookups(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def _route_ops(gm: torch.fx.GraphModule) -> bool:
+    """Every op of ``_ROUTED`` on spyre to its eager device kernel's custom op."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        route = _ROUTED.get(node.target) if node.op == "call_function" else None
+        if route is None or not _on_spyre(node, tuples=True):
+            continue
+        routed = route(node)
+        if routed is None:  # the planner serves this one itself
+            continue
+        target, args = routed
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(target, args)
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+#: the sub-passes, in order (``checked_passes.run`` drops one whose rewrites
+#: Inductor could not carry)
+SUB_PASSES: tuple[checked_passes.SubPass, ...] = (
+    ("lane shuffles", _rewrite_lane_shuffles),
+    ("outer pads", _route_outer_pads),
+    ("stick cats", _rewrite_stick_cats),
+    ("swiglu", fuse_swiglu),
+    ("swiglu residual", fuse_swiglu_residual),
+    ("swiglu norm", fuse_swiglu_norm),
+    ("norm projections", fuse_norm_projections),
+    ("attention transpose", _fuse_attention_transpose),
+    ("index_put in place", _index_put_in_place),
+    ("routes", _route_ops),
+    ("lookups", _dedupe_lookups),
+)
+
+
 class SpyreGraphPass(CustomGraphModulePass):
     def __call__(self, gm: torch.fx.GraphModule) -> None:
-        changed = _rewrite_lane_shuffles(gm)
-        changed = _route_outer_pads(gm) or changed
-        changed = _rewrite_stick_cats(gm) or changed
-        changed = fuse_swiglu(gm) or changed
-        changed = fuse_swiglu_residual(gm) or changed
-        changed = fuse_swiglu_norm(gm) or changed
-        changed = fuse_norm_projections(gm) or changed
-        changed = _fuse_attention_transpose(gm) or changed
-        changed = _index_put_in_place(gm) or changed
-        for node in list(gm.graph.nodes):
-            route = _ROUTED.get(node.target) if node.op == "call_function" else None
-            if route is None or not _on_spyre(node, tuples=True):
-                continue
-            routed = route(node)
-            if routed is None:  # the planner serves this one itself
-                continue
-            target, args = routed
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(target, args)
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            changed = True
-        changed = _dedupe_lookups(gm) or changed
-        if changed:
+        if checked_passes.run(gm, SUB_PASSES):
             gm.graph.lint()
             gm.recompile()
         implicit_fallbacks.prepare(gm)  # every graph lowers as the first one did

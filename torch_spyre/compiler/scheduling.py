@@ -27,7 +27,15 @@ from torch._inductor.virtualized import V
 from torch.utils._ordered_set import OrderedSet
 
 from torch_spyre import settings
-from torch_spyre.compiler import degrade, eager_nodes, graph_state, host_nodes, layouts, lowering
+from torch_spyre.compiler import (
+    checked_passes,
+    degrade,
+    eager_nodes,
+    graph_state,
+    host_nodes,
+    layouts,
+    lowering,
+)
 from torch_spyre.compiler.matmuls import MATMULS, has_bias, matmul_steps, prologues, weight_prologue
 from torch_spyre.compiler.nodes import (  # noqa: F401  (_static: compiler.layouts, tests)
     _buffer_info,
@@ -644,6 +652,10 @@ class SpyreWrapperCodegen(PythonWrapperCodegen):
     def write_header(self) -> None:
         super().write_header()
         self.header.writeline("from torch_spyre.runtime import compiled as spyre_rt")
+        # graph sub-passes dropped before lowering (checked_passes.py)
+        module = getattr(getattr(V, "graph", None), "module", None)
+        for what, reason in getattr(module, "meta", {}).get(checked_passes.DROPPED, ()):
+            degrade.note(self, "pass", what, reason)
 
     def memory_plan_reuse(self) -> None:
         """Inductor's buffer reuse, keyed also by shape and strides on spyre.
