@@ -139,3 +139,31 @@ def test_layers_that_differ_are_traced_each_and_still_compile():
         got = fn(input_ids=ids, use_cache=False).logits
         want = ref(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_that_writes_another_layers_cache_is_not_marked():
+    """HRM's recurrent cycles call the same layers several times a forward,
+    each writing ``cache.update(k, v, self.layer_idx + cycle_offset)``.  A
+    marked layer's region takes its own cache layer, so every cycle's writes
+    landed in one slot: the archsweep's cache (80 rows) overflowed, and a
+    cache with room for them (here 256 rows) decoded wrong logits with no
+    error (fp32: 2.4e-4 to 1.9e-3 off on logits of ~0.5, the tokens of this
+    tiny model still equal).  Such a layer is left unmarked and decodes as
+    the CPU (1.3e-7 off)."""
+    from torch_spyre.tools.archsweep import configs, run
+
+    (mt,) = [m for m in configs.model_types() if m.name == "hrm_text"]
+    ref = run.build(mt).float()
+    assert layer_regions.why_not(layer_regions._decoder_layers(ref)[0]) == (
+        "HrmTextAttention.forward updates the cache of layer self.layer_idx + cycle_offset, "
+        "not self.layer_idx"
+    )
+    dev = models.prepare(copy.deepcopy(ref), dtype=torch.float32, compile=True)
+    assert not any("traced once" in p for p in dev.spyre_patches)
+    ids = torch.randint(
+        0, ref.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(3)
+    )
+    got = generate(dev, ids, 4, keep_logits=True, bucket=256)
+    want = generate(ref, ids, 4, keep_logits=True, bucket=256)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,8 @@ are those of the flat trace.
 A layer is marked only when this is exact (``why_not``):
 
 * every module class inside the layer touches the cache only through
-  ``.update(`` (read from the source of its ``forward``); a layer that asks
+  ``.update(`` of its own layer, ``self.layer_idx`` (read from the source
+  of its ``forward``; HRM's recurrent cycles write other layers' slots); a layer that asks
   its cache anything else (a sliding window's offsets, a hybrid's
   recurrent state) is left to be traced on its own, as before;
 * at run time, the layer's cache layer is exactly transformers'
@@ -38,6 +39,7 @@ no-op outside ``torch.compile``).  Measured in ``benchmarks/startup.py
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import re
@@ -73,6 +75,44 @@ def why_not(layer: nn.Module) -> str | None:
         uses = {m.group(2) for m in _CACHE_USE.finditer(src)}
         if uses - {"update"}:
             return f"{cls.__name__}.forward uses its cache's {sorted(uses - {'update'})}"
+        other = _updates_another_layer(src)
+        if other is not None:
+            return f"{cls.__name__}.forward updates the cache of layer {other}, not self.layer_idx"
+    return None
+
+
+def _updates_another_layer(src: str) -> str | None:
+    """The layer index of a ``cache.update(k, v, index, ...)`` call in
+    ``src`` that is not ``self.layer_idx`` (as source text), or None.  The
+    region hands a layer its own cache layer: a layer writing another one
+    (HRM's recurrent cycles call the same layers with ``self.layer_idx +
+    cycle_offset``) would have its writes land in its own slot instead, a
+    wrong cache (an error or, with room in the cache, a wrong answer)."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return "? (its source does not parse)"
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in _CACHE_NAMES
+        ):
+            continue
+        idx = next((k.value for k in node.keywords if k.arg == "layer_idx"), None)
+        if idx is None:
+            idx = node.args[2] if len(node.args) > 2 else None
+        if idx is None:
+            return "? (no layer index given)"
+        if not (
+            isinstance(idx, ast.Attribute)
+            and idx.attr == "layer_idx"
+            and isinstance(idx.value, ast.Name)
+            and idx.value.id == "self"
+        ):
+            return ast.unparse(idx)
     return None
 
 
