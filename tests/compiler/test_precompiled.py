@@ -189,3 +189,47 @@ def test_a_graph_break_runs_torch_compiles_own_path_and_is_remembered(own_cache)
     again = PrecompiledForward(mod, regions.flat_inductor)
     torch.testing.assert_close(again(x.to("spyre")).cpu(), want, rtol=1e-5, atol=1e-5)
     assert list(again.stats.why.values()) == [why] and again.stats.built == 0
+
+
+class _Holder(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+
+def _refusing(after: int):
+    """A backend that refuses the graph numbered ``after`` (from 1)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        if len(seen) == after:
+            raise RuntimeError(f"graph {after} refused")
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_a_failed_compile_is_retried_only_when_the_call_did_nothing_on_the_card(after):
+    """The retry hook (models.prepare: undo the layer regions) compiles
+    again only when the failed call ran nothing on the card: a first graph
+    that ran (its product, a cache write in a model) is not run twice."""
+    torch._dynamo.reset()
+    m = _Holder()
+    asked = []
+
+    def retry(e):
+        asked.append(str(e))
+        return True
+
+    fwd = PrecompiledForward(m, _refusing(after), retry=retry)
+    x = torch.ones(4).to("spyre")
+    if after == 2:  # the first graph ran x * 2 on the card, then the second failed
+        with pytest.raises(Exception, match="graph 2 refused"):
+            fwd(x)
+        assert asked == []
+    else:  # the first graph refused: nothing ran; compiled again, it runs
+        torch.testing.assert_close(fwd(x).cpu(), torch.full((4,), 3.0))
+        assert len(asked) == 1 and "graph 1 refused" in asked[0]

@@ -167,3 +167,42 @@ def test_a_layer_that_writes_another_layers_cache_is_not_marked():
     want = generate(ref, ids, 4, keep_logits=True, bucket=256)
     for g, w in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_with_two_cache_writers_is_not_marked():
+    """LongCat-Flash: two attentions a decoder layer, writing cache layers 2i
+    and 2i + 1; one region hands a layer one cache layer."""
+    ref = _llama(2)
+    for layer in ref.model.layers:
+        layer.second_attn = copy.deepcopy(layer.self_attn)
+    assert layer_regions.why_not(ref.model.layers[0]) == (
+        "2 modules of the layer write the cache, not one"
+    )
+
+
+def test_a_layer_dynamo_cannot_capture_whole_is_traced_on_its_own():
+    """A graph break inside a layer (a data-dependent Python number) cannot
+    happen inside a region: Dynamo raises.  The first call, which ran nothing
+    on the card, unmarks the layers and compiles again; the model decodes as
+    the CPU."""
+    ref = _llama(2)
+    mlp = type(ref.model.layers[0].mlp)
+
+    class Breaking(mlp):
+        def forward(self, x):
+            n = int((x == x).sum())  # a graph break
+            return super().forward(x) * (n / x.numel())
+
+    for layer in ref.model.layers:
+        layer.mlp.__class__ = Breaking
+    dev = models.prepare(copy.deepcopy(ref), dtype=torch.float32, compile=True)
+    assert any("2 LlamaDecoderLayers traced once" in p for p in dev.spyre_patches)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="traced one by one"):
+        got = generate(dev, ids, 3, keep_logits=True)
+    want = generate(ref, ids, 3, keep_logits=True)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert dev.spyre_patches[-1].startswith("layer_regions: undone")
+    assert type(dev.model.layers[0]).__name__ == "LlamaDecoderLayer"

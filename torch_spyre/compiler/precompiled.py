@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from torch_spyre import settings
-from torch_spyre.runtime import artifact_cache
+from torch_spyre.runtime import artifact_cache, cards
 from torch_spyre.sim import card
 
 #: the artifact cache's namespace of saved forwards
@@ -102,16 +102,25 @@ def _serializable_guards(entries) -> list[bool]:
     return keep
 
 
+def _card_clocks() -> tuple[float, ...]:
+    """Every card's modelled clock: work billed to a call moves one."""
+    return tuple(cards.card(i).clock_s for i in range(cards.num_cards()))
+
+
 class PrecompiledForward:
     """``module.forward`` compiled by ``backend``, each call description once:
     loaded from the cache directory, else compiled ahead of time and saved,
     else ``torch.compile(forward, backend=backend, dynamic=False)``."""
 
-    def __init__(self, module: torch.nn.Module, backend, forward=None) -> None:
+    def __init__(self, module: torch.nn.Module, backend, forward=None, retry=None) -> None:
         self._module = module
         self._forward = module.forward if forward is None else forward
         self._plain = torch.compile(self._forward, backend=backend, dynamic=False)
         self._backend = backend
+        #: called with a compile's exception: True when it changed the module
+        #: so that compiling again may succeed (models.prepare: the layer
+        #: regions undone when Dynamo cannot capture one), once per forward
+        self._retry = retry
         self._aot = None
         self._entries: dict[str, _Entry | None] = {}
         self._lock = threading.Lock()
@@ -124,7 +133,7 @@ class PrecompiledForward:
         module = memo.get(id(self._module), self._module)
         fn = getattr(self._forward, "__func__", None)
         forward = self._forward if fn is None else types.MethodType(fn, module)
-        return PrecompiledForward(module, self._backend, forward)
+        return PrecompiledForward(module, self._backend, forward, self._retry)
 
     def __reduce__(self):
         # the module's __dict__ holds this forward, and a saved guard state
@@ -143,7 +152,20 @@ class PrecompiledForward:
                 self.stats.calls += 1
                 return entry.fn(module, *args, **kwargs)
         self.stats.plain += 1
-        return self._plain(*args, **kwargs)
+        if self._retry is None:
+            return self._plain(*args, **kwargs)
+        before = _card_clocks()
+        try:
+            return self._plain(*args, **kwargs)
+        except Exception as e:
+            # compiled again only when the failed call did nothing on the
+            # card (the compile raised before any graph or eager kernel of
+            # this call ran): the second call repeats no cache write
+            if _card_clocks() != before or not self._retry(e):
+                raise
+            self._retry = None
+            self._entries.clear()  # described for the module as it was
+            return self._plain(*args, **kwargs)
 
     def _entry(self, args: tuple, kwargs: dict) -> _Entry | None:
         if not settings.get().precompile or artifact_cache.root() is None:

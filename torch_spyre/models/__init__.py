@@ -15,6 +15,7 @@ not yet validated: the compiler is still being built (torch_spyre/compiler).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,7 +187,9 @@ def prepare(
         # one graph per input shape (models.generate keeps one shape per
         # bucket), saved whole in the artifact cache: a later process loads it
         # without tracing (compiler/precompiled.py)
-        model.forward = PrecompiledForward(model, regions.flat_inductor)
+        model.forward = PrecompiledForward(
+            model, regions.flat_inductor, retry=functools.partial(layer_regions.undo_on, model)
+        )
     return model
 
 

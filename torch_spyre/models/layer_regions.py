@@ -44,6 +44,7 @@ import hashlib
 import inspect
 import re
 import textwrap
+import warnings
 
 import torch
 from torch import nn
@@ -59,7 +60,20 @@ _CACHE_USE = re.compile(r"\b(" + "|".join(_CACHE_NAMES) + r")\s*\.\s*(\w+)")
 def why_not(layer: nn.Module) -> str | None:
     """None when ``layer`` can be a region over its own cache tensors; else
     the reason it cannot."""
+    writers = _cache_writers(layer)
+    if isinstance(writers, str):
+        return writers
+    if len(writers) > 1:
+        # LongCat-Flash: two attentions a layer, cache layers 2i and 2i + 1
+        return f"{len(writers)} modules of the layer write the cache, not one"
+    return None
+
+
+def _cache_writers(layer: nn.Module) -> list[nn.Module] | str:
+    """The modules of ``layer`` whose forward writes the cache (``update``),
+    or the reason the layer cannot be a region over its own cache layer."""
     seen: set[type] = set()
+    writes: set[type] = set()
     for mod in layer.modules():
         cls = type(mod)
         if cls in seen:
@@ -78,7 +92,9 @@ def why_not(layer: nn.Module) -> str | None:
         other = _updates_another_layer(src)
         if other is not None:
             return f"{cls.__name__}.forward updates the cache of layer {other}, not self.layer_idx"
-    return None
+        if uses:
+            writes.add(cls)
+    return [m for m in layer.modules() if type(m) in writes]
 
 
 def _updates_another_layer(src: str) -> str | None:
@@ -243,7 +259,14 @@ def mark_layers(model: nn.Module) -> str:
         return f"layers not marked: {reason}"
     marked = _marked_class(cls)
     for i, layer in enumerate(layers):
-        layer._spyre_layer_index = getattr(getattr(layer, "self_attn", None), "layer_idx", i)
+        # the cache layer is the one its writer names (self.layer_idx)
+        writers = _cache_writers(layer)
+        own = (
+            getattr(writers[0], "layer_idx", None)
+            if isinstance(writers, list) and writers
+            else None
+        )
+        layer._spyre_layer_index = own if isinstance(own, int) else i
         layer.__class__ = marked
     return f"{len(layers)} {cls.__name__}s traced once (one region over each layer's cache)"
 
@@ -290,12 +313,42 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return best
 
 
-def unmark(model: nn.Module) -> None:
-    """Every marked layer its own class again."""
+def unmark(model: nn.Module) -> bool:
+    """Every marked layer its own class again; whether any was marked."""
+    found = False
     for m in model.modules():
         original = type(m).__dict__.get("_spyre_layer_of")
         if original is not None:
             m.__class__ = original
+            found = True
+    return found
 
 
-__all__ = ["allocate", "mark_layers", "unmark", "why_not"]
+def undo_on(model: nn.Module, error: BaseException) -> bool:
+    """After a compile of ``model`` raised ``error``: when Dynamo could not
+    capture a layer region whole (an op inside a layer whose output shape
+    depends on data, LongCat-Flash's MoE routing: a graph break a region
+    cannot take), the layers are unmarked (each traced on its own, graph
+    breaks allowed, as without regions) with a warning, and True is
+    returned: compile again.  Any other error is the caller's."""
+    if not isinstance(error, torch._dynamo.exc.UncapturedHigherOrderOpError):
+        return False
+    if not unmark(model):
+        return False
+    model.spyre_patches = [
+        p for p in getattr(model, "spyre_patches", []) if not p.startswith("layer_regions:")
+    ] + [f"layer_regions: undone (Dynamo cannot capture a layer whole: {_first_line(error)})"]
+    warnings.warn(
+        f"torch_spyre: the decoder layers of {type(model).__name__} are traced one by one: "
+        f"Dynamo cannot capture a layer as one region ({_first_line(error)})",
+        stacklevel=3,
+    )
+    return True
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
+
+
+__all__ = ["allocate", "mark_layers", "undo_on", "unmark", "why_not"]
