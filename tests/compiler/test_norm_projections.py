@@ -404,3 +404,163 @@ def test_granite_8b_prefill_projections_rotate_and_lay_out_for_13_us():
     r = estimate(p)
     assert r.time_s == pytest.approx(661.1e-6, abs=0.1e-6)
     assert r.time_s < 1.1 * r.sustained_roof_s
+
+
+@pytest.mark.parametrize("run", [1, 48])
+def test_k_and_v_are_stored_into_their_cache_rows(run):
+    """``Heads.cached``: K's and V's tiles stored heads-first into a cache
+    operand [b, heads, L, d] at the rows a row table names (a negative one
+    is not written), the other rows untouched; ``cache_run`` changes only
+    the descriptors the timing model counts (runs of consecutive rows)."""
+    from torch_spyre.kernels.projections import Heads
+
+    b, m, k, widths, hd, length = 2, 48, 256, (512, 128, 128), 128, 80
+    s, nw, *ws = _args((b, m), k, widths, H, seed=7)
+    g = torch.Generator().manual_seed(8)
+    cos, sin = (torch.randn(1, m, hd, generator=g).to(H) for _ in range(2))
+    pos = torch.arange(20, 20 + m) if run > 1 else torch.randperm(length, generator=g)[:m]
+    if run == 1:
+        pos[5] = -1  # a padded row: not written
+    heads = Heads(hd, (True, True, False), (True, True, True), 1, (), 0.0,
+                  (False, True, True), length, run)  # fmt: skip
+    p = norm_projections(b, m, k, widths, H, norm_eps=1e-5, split=(2, 8, 1, 2),
+                         tiles=(6, 1, 64), heads=heads)  # fmt: skip
+    p.validate()
+    host = {"x": s, "nw": nw, "cos": cos, "sin": sin, "pos": pos.to(torch.int32)}
+    host |= {f"w{i}": w for i, w in enumerate(ws)}
+    old = [torch.randn(b, 1, length, hd, generator=g).to(H).expand(b, 1, length, hd)
+           for _ in range(2)]  # fmt: skip
+    host |= {"out1": old[0].contiguous(), "out2": old[1].contiguous()}
+    bufs = {}
+    for o in p.operands:
+        src = host.get(o.name)
+        bufs[o.name] = (
+            o.layout.to_device(src.reshape(o.layout.host_size))
+            if src is not None
+            else torch.zeros(o.layout.device_size, dtype=o.layout.dtype)
+        )
+    execute(p, bufs)
+    h = rms_norm(s, nw, 1e-5).double()
+    c, sn = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    for i, w in enumerate(ws):
+        want = F.linear(h, w.double()).view(b, m, -1, hd).transpose(1, 2)
+        if i < 2:
+            want = want * c + _rotate_half(want) * sn
+        got = p.operand(f"out{i}").layout.to_host(bufs[f"out{i}"])
+        got = got.reshape(b, -1, length if i else m, hd)
+        if i == 0:
+            torch.testing.assert_close(got, want.to(H), **tolerances(H))
+            continue
+        keep = pos >= 0
+        torch.testing.assert_close(got[:, :, pos[keep]], want[:, :, keep].to(H), **tolerances(H))
+        rest = torch.ones(length, dtype=torch.bool)
+        rest[pos[keep]] = False
+        assert torch.equal(got[:, :, rest], old[i - 1][:, :, rest])
+
+
+def test_a_cached_output_must_be_heads_first():
+    from torch_spyre.kernels.projections import Heads
+
+    heads = Heads(128, (True, True, False), (True, False, True), 1, (), 0.0,
+                  (False, True, True), 80)  # fmt: skip
+    with pytest.raises(ProgramError, match="each cached output heads-first"):
+        norm_projections(1, 64, 256, (512, 128, 128), H, heads=heads)
+
+
+def _qkv_cache_args(dtype, s=64, length=100, hd=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, s, 256, generator=g).to(dtype)
+    nw = (1 + 0.2 * torch.randn(256, generator=g)).to(dtype)
+    wq, wk, wv = ((torch.randn(n * hd, 256, generator=g) / 16).to(dtype) for n in (4, 2, 2))
+    kc, vc = (torch.randn(1, 2, length, hd, generator=g).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(1, s, hd, generator=g).to(dtype) for _ in range(2))
+    return x, nw, wq, wk, wv, kc, vc, cos, sin
+
+
+@pytest.mark.parametrize("dtype,start", [(torch.float32, 0), (H, 9)], ids=str)
+def test_the_eager_op_writes_k_and_v_into_the_cache(dtype, start):
+    """``spyre::norm_qkv_into_cache``: one program on the card, Q returned,
+    K and V written into the caches at the positions (``index_copy_`` along
+    dim 2), as the CPU composite does; fp32 to the summation order."""
+    x, nw, wq, wk, wv, kc, vc, cos, sin = _qkv_cache_args(dtype)
+    pos = torch.arange(start, start + 64)
+    rope = [True, True, False]
+    kw, vw = kc.clone(), vc.clone()
+    q = torch.ops.spyre.norm_qkv_into_cache(x, nw, 1e-6, wq, wk, wv, kw, vw, pos, cos, sin, 128,
+                                            rope)  # fmt: skip
+    d = [t.to("spyre") for t in (x, nw, wq, wk, wv, kc, vc, pos, cos, sin)]
+    dispatch_stats.reset()
+    qd = torch.ops.spyre.norm_qkv_into_cache(d[0], d[1], 1e-6, *d[2:], 128, rope)
+    assert dispatch_stats.counts() == {("kernel", "norm_projections"): 1}
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerances(dtype)
+    for got, want in ((qd, q), (d[5], kw), (d[6], vw)):
+        torch.testing.assert_close(got.cpu(), want, **tol)
+
+
+def test_a_cache_position_out_of_range_is_an_index_error_and_writes_nothing():
+    x, nw, wq, wk, wv, kc, vc, cos, sin = _qkv_cache_args(H)
+    d = [t.to("spyre") for t in (x, nw, wq, wk, wv, kc, vc)]
+    pos = torch.arange(50, 114).to("spyre")
+    with pytest.raises(IndexError, match="cache position 113 is out of bounds for a cache of 100"):
+        torch.ops.spyre.norm_qkv_into_cache(
+            d[0], d[1], 1e-6, *d[2:], pos, cos.to("spyre"), sin.to("spyre"), 128,
+            [True, True, False],
+        )  # fmt: skip
+    assert torch.equal(d[5].cpu(), kc) and torch.equal(d[6].cpu(), vc)
+
+
+def test_a_llama_prefill_writes_its_cache_from_the_projections_program():
+    """Through ``models.generate`` (transformers' StaticCache): each layer's
+    K and V rows are stored into the cache by the projections program, no
+    cache-write kernel runs in the prefill, and the logits equal the CPU
+    model's (fp32)."""
+    import copy
+
+    import transformers
+
+    from torch_spyre import models
+    from torch_spyre.models.generate import generate
+    from torch_spyre.runtime import launch
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, vocab_size=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).float().eval()
+    dev = models.prepare(copy.deepcopy(ref), dtype=torch.float32, compile=True)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    launch.clear_cache()
+    with torch._inductor.config.patch(fx_graph_cache=False), profile() as prof:
+        got = generate(dev, ids, 3, keep_logits=True)
+    want = generate(ref, ids, 3, keep_logits=True)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    cached = [k[-1] for k in launch._cache if isinstance(k, tuple) and k[0] == "norm_projections"]
+    assert cached and all(h is not None and h.cached == (False, True, True) for h in cached)
+    assert all(h.cache_run == 64 for h in cached)  # the prefill's positions are consecutive
+    # the decode steps' one-row writes (1 x 2 heads x 128 x 4 B) remain; no
+    # prefill write of 64 rows (65,536 B) runs
+    puts = [k.name for k in prof.kernels if k.name.startswith("_index_put")]
+    assert puts and all(n.endswith("_1024B") for n in puts), puts
+
+
+def test_granite_8b_prefill_projections_write_the_cache_for_no_more():
+    """Granite-3.3-8B at 1,024 rows: with K and V stored into their cache
+    rows (consecutive: one descriptor a tile) the program takes what it did
+    storing them to outputs of their own (661.2 against 661.1 us), and the
+    two cache-write kernels after it (2 x 37.7 us, `spyre estimate
+    --explain`) have nothing left to do; rows in no known order (one
+    descriptor a row) cost 710.8 us."""
+    from torch_spyre.kernels.projections import Heads
+
+    def time_of(**cache):
+        heads = Heads(128, (True, True, False), (True, True, True), 1, (), 0.0, **cache)
+        p = best_norm_projections(1, 1024, 4096, (4096, 1024, 1024), H, norm_eps=1e-5,
+                                  heads=heads)  # fmt: skip
+        return estimate(p).time_s
+
+    cached = dict(cached=(False, True, True), cache_len=1152)
+    assert time_of() == pytest.approx(661.1e-6, abs=0.1e-6)
+    assert time_of(**cached, cache_run=1024) == pytest.approx(661.2e-6, abs=0.1e-6)
+    assert time_of(**cached, cache_run=1) == pytest.approx(710.8e-6, abs=0.1e-6)

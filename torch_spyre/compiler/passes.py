@@ -47,6 +47,7 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from torch_spyre.compiler import checked_passes, implicit_fallbacks
+from torch_spyre.compiler.cache_write_fusion import fuse_cache_writes
 from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
@@ -720,6 +721,7 @@ SUB_PASSES: tuple[checked_passes.SubPass, ...] = (
     ("norm projections", fuse_norm_projections),
     ("attention transpose", _fuse_attention_transpose),
     ("index_put in place", _index_put_in_place),
+    ("cache writes", fuse_cache_writes),
     ("routes", _route_ops),
     ("lookups", _dedupe_lookups),
 )

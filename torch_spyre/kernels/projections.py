@@ -58,9 +58,21 @@ class Heads:
     cos_batch: int = 1
     norm: tuple[bool, ...] = ()
     norm_eps: float = 0.0
+    #: outputs stored heads-first into a KV cache of ``cache_len`` rows
+    #: (operand ``out{i}`` [b, heads, cache_len, dim]) at the rows operand
+    #: ``pos`` [m] (int32) names, instead of an output of their own (a
+    #: negative row is not written); ``cache_run``: rows a DMA descriptor
+    #: writes (the caller's promise that each tile's rows are that many
+    #: consecutive cache rows: a prefill's positions; else 1)
+    cached: tuple[bool, ...] = ()
+    cache_len: int = 0
+    cache_run: int = 1
 
     def normed(self, i: int) -> bool:
         return bool(self.norm) and self.norm[i]
+
+    def into_cache(self, i: int) -> bool:
+        return bool(self.cached) and self.cached[i]
 
 
 def projection_block(widths: tuple[int, ...], dtype: torch.dtype) -> int | None:
@@ -233,6 +245,16 @@ def _head_projections(
         )
     if any(heads.first) and not batched:
         raise ProgramError("projections stored heads-first need a batched x [b, m, k]")
+    if heads.cached and (
+        len(heads.cached) != nw_
+        or any(c and not f for c, f in zip(heads.cached, heads.first))
+        or heads.cache_len < 1
+        or heads.cache_run < 1
+    ):
+        raise ProgramError(
+            "projections into a KV cache: one flag per weight, each cached output heads-first, "
+            "a cache of at least one row and runs of at least one row"
+        )
     if heads.cos_batch not in (1, b):
         raise ProgramError(f"rotary tables of batch {heads.cos_batch} for a batch of {b}")
     nh = projection_block(widths, dtype) // hd  # heads per column block
@@ -272,6 +294,11 @@ def _head_projections(
         buffers.append(Buffer("rot", tile, acc))
     if any(heads.norm):
         buffers += [Buffer("hss", (*rows, "n", "j"), acc), Buffer("hs", (*rows, "n"), acc)]
+    if any(heads.cached):
+        # each token's cache row, loaded once per row tile
+        operands.append(Operand("pos", SpyreTensorLayout.default((m,), torch.int32), "input"))
+        steps.append(Load("pos", "pos", ("m",), l2))
+        buffers.append(Buffer("pos", ("m",), torch.int32))
     epilogue: list = []
     for i, w in enumerate(widths):
         operands.append(Operand(f"w{i}", _weight_as_heads(w, hd, k, dtype), "input"))
@@ -315,11 +342,18 @@ def _head_projections(
                 idx, off = ("b", "m", "n", "j", "e"), (0, 0, r * nh, 0, 0)
             else:
                 idx, off = ("m", "n", "j", "e"), (0, r * nh, 0, 0)
-            epilogue.append(Store(f"out{i}", at, idx, l3, offsets=off))
+            if heads.into_cache(i):  # the rows scattered to the tokens' cache rows
+                epilogue.append(
+                    Store(f"out{i}", at, idx, l3, offsets=off, rows="pos", rows_dim=2,
+                          rows_run=heads.cache_run)
+                )  # fmt: skip
+            else:
+                epilogue.append(Store(f"out{i}", at, idx, l3, offsets=off))
     steps += epilogue
     for i, w in enumerate(widths):
         if heads.first[i]:
-            shape: tuple[int, ...] = (b, w // hd, m, 2, half)
+            rows_of = heads.cache_len if heads.into_cache(i) else m
+            shape: tuple[int, ...] = (b, w // hd, rows_of, 2, half)
         else:
             shape = (b, m, w // hd, 2, half) if batched else (m, w // hd, 2, half)
         operands.append(Operand(f"out{i}", SpyreTensorLayout.default(shape, dtype), "output"))
@@ -339,7 +373,8 @@ def _head_projections(
         + ("_norm" if norm_eps is not None else "")
         + ("_qknorm" if any(heads.norm) else "")
         + ("_rope" if any(heads.rope) else "")
-        + ("_bhsd" if any(heads.first) else ""),
+        + ("_bhsd" if any(heads.first) else "")
+        + ("_cache" if any(heads.cached) else ""),
         dims=tuple(dims),
         operands=tuple(operands),
         buffers=tuple(buffers),

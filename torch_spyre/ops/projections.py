@@ -150,8 +150,13 @@ def _as_heads(
 
 
 def _device_projections(
-    x, nw, eps: float, ws, cos=None, sin=None, head_dim=0, rope=(), first=(), hn=(), hn_eps=0.0
-) -> list[torch.Tensor] | None:
+    x, nw, eps: float, ws, cos=None, sin=None, head_dim=0, rope=(), first=(), hn=(), hn_eps=0.0,
+    cache=None,
+):  # fmt: skip
+    """The outputs of one program on the card, or None when none serves the
+    call.  ``cache``: (caches, positions [m] int32 on the host, cache rows,
+    rows a descriptor writes): the last outputs are written into the caches
+    at those rows, and only the first is returned."""
     from torch_spyre.kernels.projections import Heads, best_norm_projections, projection_block
 
     k = x.shape[-1]
@@ -174,10 +179,17 @@ def _device_projections(
         if any(g is not None and g.dtype != x.dtype for g in hn):
             return None
         cb = int(cos.shape[0]) if any(rope) else 1
+        cached: tuple[bool, ...] = ()
+        length = run = 0
+        if cache is not None:
+            cached = (False,) * (len(ws) - len(cache[0])) + (True,) * len(cache[0])
+            length, run = int(cache[2]), int(cache[3])
         heads = Heads(
             int(head_dim), tuple(bool(r) for r in rope), tuple(bool(f) for f in first), cb,
-            normed, float(hn_eps) if normed else 0.0,
+            normed, float(hn_eps) if normed else 0.0, cached, length, max(run, 1),
         )  # fmt: skip
+    if cache is not None and heads is None:
+        return None
     dev = x.device
     norm_eps = None if nw is None else eps
     key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps, heads)
@@ -197,7 +209,9 @@ def _device_projections(
         return None
     outs = []
     for i, w in enumerate(widths):
-        if heads is not None and heads.first[i]:
+        if heads is not None and heads.into_cache(i):
+            outs.append(cache[0][i - (len(widths) - len(cache[0]))])
+        elif heads is not None and heads.first[i]:
             outs.append(torch.empty((b, w // head_dim, m, head_dim), dtype=x.dtype, device=dev))
         else:
             outs.append(torch.empty((*lead, w), dtype=x.dtype, device=dev))
@@ -213,6 +227,98 @@ def _device_projections(
     for i, g in enumerate(hn):
         if g is not None:
             bufs[f"hn{i}"] = operands.device_memory(operands.whole(g))
+    if cache is not None:
+        bufs["pos"] = operands.device_memory(cache[1].to(dev))
     kern.launch_memory(dev.index or 0, bufs)
     dispatch_stats.record("kernel", "norm_projections")
-    return outs
+    return outs[: len(widths) - len(cache[0])] if cache is not None else outs
+
+
+@torch.library.custom_op(
+    "spyre::norm_qkv_into_cache",
+    mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor x, Tensor? nw, float eps, Tensor wq, Tensor wk, Tensor wv, "
+    "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_position, Tensor? cos, Tensor? sin, "
+    "SymInt head_dim, bool[] rope, Tensor[]? head_norms=None, bool[]? head_normed=None, "
+    "float head_norm_eps=0.0) -> Tensor",
+)
+def norm_qkv_into_cache(
+    x: torch.Tensor,
+    nw: torch.Tensor | None,
+    eps: float,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    head_dim: int,
+    rope: list[bool],
+    head_norms: list[torch.Tensor] | None = None,
+    head_normed: list[bool] | None = None,
+    head_norm_eps: float = 0.0,
+) -> torch.Tensor:
+    """``norm_projections`` of Q, K and V, all heads-first, with K and V
+    written into a static KV cache instead of returned: ``k_cache[:, :,
+    cache_position] = k`` (``index_copy_`` along dim 2, as transformers'
+    ``StaticLayer.update``), likewise V; returns Q [b, heads, s, head_dim].
+    On the card one program: the K and V tiles are stored to their cache rows
+    (``kernels.projections.Heads.cached``), not to an output a second kernel
+    copies from."""
+    args = (x, nw, eps, [wq, wk, wv], cos, sin, head_dim, rope, [True] * 3, head_norms,
+            head_normed, head_norm_eps)  # fmt: skip
+    if x.device.type == "spyre":
+        q = _device_into_cache(args, k_cache, v_cache, cache_position)
+        if q is not None:
+            return q[0]
+    q, k, v = norm_projections(*args)
+    k_cache.index_copy_(2, cache_position, k)
+    v_cache.index_copy_(2, cache_position, v)
+    return q
+
+
+@norm_qkv_into_cache.register_fake
+def _(x, nw, eps, wq, wk, wv, k_cache, v_cache, cache_position, cos, sin, head_dim, rope,
+      head_norms=None, head_normed=None, head_norm_eps=0.0):  # fmt: skip
+    return x.new_empty((x.shape[0], wq.shape[0] // head_dim, x.shape[1], head_dim))
+
+
+def _device_into_cache(args, k_cache, v_cache, cache_position) -> torch.Tensor | None:
+    """Q, with K and V written into the caches by one program; None when
+    this path does not serve the call (the composite then does)."""
+    from torch_spyre.runtime import access
+
+    x, ws, head_dim = args[0], args[3], args[6]
+    caches = (k_cache, v_cache)
+    if x.dim() != 3 or cache_position.dim() != 1 or cache_position.is_floating_point():
+        return None
+    b, s = x.shape[0], x.shape[1]
+    if cache_position.numel() != s or cache_position.device != x.device:
+        return None
+    for c, w in zip(caches, ws[1:]):
+        if (
+            c.device != x.device
+            or c.dtype != x.dtype
+            or c.dim() != 4
+            or tuple(c.shape) != (b, w.shape[0] // head_dim, k_cache.shape[2], head_dim)
+            or not operands.is_whole_default(c)
+        ):
+            return None
+    length = int(k_cache.shape[2])
+    pos = access.read(cache_position).to(torch.int64)
+    if s and (int(pos.min()) < -length or int(pos.max()) >= length):
+        bad = int(pos.max()) if int(pos.max()) >= length else int(pos.min())
+        raise IndexError(
+            f"spyre::norm_qkv_into_cache: cache position {bad} is out of bounds for a "
+            f"cache of {length} rows"
+        )
+    pos = torch.where(pos < 0, pos + length, pos)  # index_copy_ wraps negative positions
+    if s and pos.unique().numel() != s:
+        return None  # a row written twice: index_copy_'s order, not one store
+    run = s if s and torch.equal(pos, pos[0] + torch.arange(s)) else 1
+    return _device_projections(
+        *args[:6], head_dim, args[7], args[8], _per_output(args[9], args[10], 3), args[11],
+        cache=(caches, pos.to(torch.int32), length, run),
+    )  # fmt: skip

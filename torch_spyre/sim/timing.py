@@ -213,10 +213,15 @@ class _Steps:
                 if s.rows:
                     table = p.buffer(s.rows).dims
                     pd = s.index[s.rows_dim]
+                    others = tuple(t for t in table if t != pd and t not in s.index)
                     paged = (
                         pd,
                         s.rows_run,
-                        tuple(t for t in table if t != pd and t not in s.index),
+                        others,
+                        # the step's other loops over its own dims: each tile
+                        # of them is a transfer of its own (a head of a
+                        # heads-first cache), with its own descriptors
+                        tuple(d for d in s.loops if d in dims and d != pd and d not in others),
                     )
                 self.info.append((dims, replica, lay.stick_elems, stick_dim, offsets, mc, paged))
             elif isinstance(s, Matmul):
@@ -300,8 +305,10 @@ def _transfer(cv: _CoreView, s: Load | Store, info: tuple) -> tuple[float, float
         return float(cv.instances(s.loops)), float(sticks * cv.stick_bytes)
     # paged: the table's other dims (a request each) multiply the sticks; one
     # DMA descriptor per run of consecutive rows (a page) of each of them
-    pd, run, others = paged
+    pd, run, others, tiled = paged
     transfers = cv.count(s, dims) * cv.dim_sum(s, pd, lambda n: -(-n // run))
+    for d in tiled:
+        transfers *= cv.ntiles[d]
     for t in others:
         sticks *= cv.extent[t]
         transfers *= cv.extent[t]
