@@ -233,3 +233,27 @@ def test_a_failed_compile_is_retried_only_when_the_call_did_nothing_on_the_card(
     else:  # the first graph refused: nothing ran; compiled again, it runs
         torch.testing.assert_close(fwd(x).cpu(), torch.full((4,), 3.0))
         assert len(asked) == 1 and "graph 1 refused" in asked[0]
+
+
+def test_a_loaded_entry_that_fails_before_running_takes_torch_compiles_path(monkeypatch):
+    """An entry that raises before any work on the card (the suite once
+    loaded one whose graph took 42 inputs for a call that gave 32: a case
+    its key does not tell apart, not yet understood) is dropped for the
+    process and the call runs torch.compile's own path; one that fails after
+    work on the card raises (it may have written a cache)."""
+    torch._dynamo.reset()
+    m = _Holder()
+    fwd = PrecompiledForward(m, _refusing(0))
+
+    class Broken:
+        def guard_check(self, *args, **kwargs):
+            return True
+
+        def __call__(self, *args, **kwargs):
+            raise ValueError("not enough values to unpack (expected 42, got 32)")
+
+    entry = precompiled._Entry(Broken(), precompiled._classes(m))
+    monkeypatch.setattr(fwd, "_entry", lambda args, kwargs: entry)
+    x = torch.ones(4).to("spyre")
+    torch.testing.assert_close(fwd(x).cpu(), torch.full((4,), 3.0))
+    assert "failed before running (ValueError" in fwd.stats.why["(loaded entry)"]

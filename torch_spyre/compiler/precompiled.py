@@ -150,7 +150,22 @@ class PrecompiledForward:
             module = self._module
             if entry.classes == _classes(module) and entry.fn.guard_check(module, *args, **kwargs):
                 self.stats.calls += 1
-                return entry.fn(module, *args, **kwargs)
+                before = _card_clocks()
+                try:
+                    return entry.fn(module, *args, **kwargs)
+                except Exception as e:
+                    if _card_clocks() != before:
+                        raise
+                    # failed before any work on the card (a graph whose inputs
+                    # are not this call's): dropped for this process, and the
+                    # call takes torch.compile's own path
+                    for k, v in self._entries.items():
+                        if v is entry:
+                            self._entries[k] = None
+                    self.stats.calls -= 1
+                    self.stats.why["(loaded entry)"] = (
+                        f"failed before running ({type(e).__name__}: {_first_line(e)})"
+                    )
         self.stats.plain += 1
         if self._retry is None:
             return self._plain(*args, **kwargs)

@@ -76,6 +76,7 @@ def flash_attention(
     tiles: tuple[int, int] | None = None,
     double_buffer: bool = True,
     out_buffer: bool = True,
+    head_tile: int = 1,
     heads_last: bool = False,
     dv: int | None = None,
     softcap: float | None = None,
@@ -103,7 +104,9 @@ def flash_attention(
     Operands: ``q`` and ``out`` [b, hk, g, sq, d] (the bytes of
     [b, hq, sq, d]), ``k``, ``v`` [b, hk, skv, d], ``mask``, and with
     ``causal`` the positions ``qpos`` [sq], ``kvpos`` [skv] (fp32).
-    ``split``: cores over (b, hk, g, sq); ``tiles``: (tq, tk);
+    ``split``: cores over (b, hk, g, sq); ``tiles``: (tq, tk); ``head_tile``:
+    KV heads a core takes at once (a paged read of several heads of a page
+    is then one transfer, not one per head);
     ``out_buffer``: normalise into a separate (double-buffered) output tile,
     or in place in the fp32 accumulator (less LX: larger query tiles).
     ``heads_last``: ``out`` is [b, sq, hk, g, d] (the bytes of [b, sq, hq,
@@ -146,7 +149,7 @@ def flash_attention(
     e = "d" if dv is None or dv == d else "e"  # V's head dim
     dims = (
         Dim("b", b, pb, 1),
-        Dim("h", hk, ph, 1),
+        Dim("h", hk, ph, head_tile),
         Dim("g", g, pg),
         Dim("q", sq, pq, tq),
         Dim("kv", skv, 1, tk, causal_to="q" if causal else None),
@@ -385,10 +388,10 @@ def best_flash_attention(
                 fewer.add((pb_, ph_, p2, p3) if rest_dims[1] == g else (pb_, ph_, p3, p2))
 
     def build(c: tuple) -> Program:
-        split, db, tq, tk, ob = c
+        split, db, tq, tk, ob, th = c
         return flash_attention(
             b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
-            split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob,
+            split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob, head_tile=th,
             heads_last=heads_last, dv=dv, softcap=softcap, sinks=sinks,
             paged=paged, config=cfg, name=name,
         )  # fmt: skip
@@ -399,9 +402,12 @@ def best_flash_attention(
         tqs = sorted({min(eq, t) for t in (64, 128, 256, 512, eq)})
         # a paged decode (one query) has the LX for longer K/V tiles
         tks = sorted({min(skv, t) for t in (64, 128, 256, *((512,) if paged else ()))})
+        # a paged read: also every KV head of a core in one tile (a page's
+        # heads in one transfer); tried after one a tile (a tie keeps that)
+        ths = (1, ceil_div(hk, split[1])) if paged else (1,)
         for db in (True, False):
-            tiles = itertools.product(tqs, tks, (True, False))
-            found.run((split, db, tq, tk, ob) for tq, tk, ob in tiles)
+            tiles = itertools.product(tqs, tks, (True, False), sorted(set(ths)))
+            found.run((split, db, tq, tk, ob, th) for tq, tk, ob, th in tiles)
             if found.best is not None:
                 break  # single buffering only when nothing double buffered fits
     if found.best is None:
