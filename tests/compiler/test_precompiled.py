@@ -239,8 +239,7 @@ def test_a_loaded_entry_that_fails_before_running_takes_torch_compiles_path(monk
     """An entry that raises before any work on the card (the suite once
     loaded one whose graph took 42 inputs for a call that gave 32: a case
     its key does not tell apart, not yet understood) is dropped for the
-    process and the call runs torch.compile's own path; one that fails after
-    work on the card raises (it may have written a cache)."""
+    process and the call runs torch.compile's own path."""
     torch._dynamo.reset()
     m = _Holder()
     fwd = PrecompiledForward(m, _refusing(0))

@@ -19,8 +19,6 @@ import operator
 
 import torch
 
-_PUT = "index_put_"
-
 
 def _af_put(node: torch.fx.Node) -> bool:
     """``auto_functionalized(spyre::index_put_, ...)``."""
@@ -28,7 +26,7 @@ def _af_put(node: torch.fx.Node) -> bool:
         node.op == "call_function"
         and node.target is torch.ops.higher_order.auto_functionalized
         and node.args
-        and node.args[0] is getattr(torch.ops.spyre, _PUT).default
+        and node.args[0] is torch.ops.spyre.index_put_.default
     )
 
 

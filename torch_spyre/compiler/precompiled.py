@@ -164,7 +164,7 @@ class PrecompiledForward:
                             self._entries[k] = None
                     self.stats.calls -= 1
                     self.stats.why["(loaded entry)"] = (
-                        f"failed before running ({type(e).__name__}: {_first_line(e)})"
+                        f"failed before running ({type(e).__name__}: {first_line(e)})"
                     )
         self.stats.plain += 1
         if self._retry is None:
@@ -230,7 +230,7 @@ class PrecompiledForward:
             with card.compiling():
                 fn = self._compile_ahead(args, kwargs)
         except Exception as e:  # noqa: BLE001 - a graph break, an unsupported guard...
-            why = f"not compiled ahead of time ({type(e).__name__}: {_first_line(e)})"
+            why = f"not compiled ahead of time ({type(e).__name__}: {first_line(e)})"
             if isinstance(e, torch._dynamo.exc.Unsupported):
                 # a graph break is the code's: a later process need not try
                 # again (anything else may be this process's, and is retried)
@@ -243,7 +243,7 @@ class PrecompiledForward:
             with card.compiling():
                 blob = self._serialize(fn)
         except Exception as e:  # noqa: BLE001 - kept in memory for this process
-            self.stats.why[_brief(desc)] = f"not saved ({_first_line(e)})"
+            self.stats.why[_brief(desc)] = f"not saved ({first_line(e)})"
         else:
             self.stats.saved += int(artifact_cache.store(NAMESPACE, cache_key, blob))
         fn.disable_guard_check()
@@ -399,7 +399,7 @@ def _external_functions(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else type(e).__name__
 

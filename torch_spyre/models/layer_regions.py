@@ -51,6 +51,7 @@ from torch import nn
 from transformers.cache_utils import StaticLayer
 
 from torch_spyre.compiler import regions
+from torch_spyre.compiler.precompiled import first_line
 
 #: names a transformers module's forward gives its cache argument
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -258,14 +259,13 @@ def mark_layers(model: nn.Module) -> str:
     if reason is not None:
         return f"layers not marked: {reason}"
     marked = _marked_class(cls)
+    # the cache layer is the one its writer names (self.layer_idx); the
+    # writer's class is the same in every layer (one layer class)
+    writers = _cache_writers(layers[0])
+    kinds = {type(w) for w in writers} if isinstance(writers, list) else set()
     for i, layer in enumerate(layers):
-        # the cache layer is the one its writer names (self.layer_idx)
-        writers = _cache_writers(layer)
-        own = (
-            getattr(writers[0], "layer_idx", None)
-            if isinstance(writers, list) and writers
-            else None
-        )
+        writer = next((m for m in layer.modules() if type(m) in kinds), None)
+        own = getattr(writer, "layer_idx", None)
         layer._spyre_layer_index = own if isinstance(own, int) else i
         layer.__class__ = marked
     return f"{len(layers)} {cls.__name__}s traced once (one region over each layer's cache)"
@@ -337,18 +337,13 @@ def undo_on(model: nn.Module, error: BaseException) -> bool:
         return False
     model.spyre_patches = [
         p for p in getattr(model, "spyre_patches", []) if not p.startswith("layer_regions:")
-    ] + [f"layer_regions: undone (Dynamo cannot capture a layer whole: {_first_line(error)})"]
+    ] + [f"layer_regions: undone (Dynamo cannot capture a layer whole: {first_line(error)})"]
     warnings.warn(
         f"torch_spyre: the decoder layers of {type(model).__name__} are traced one by one: "
-        f"Dynamo cannot capture a layer as one region ({_first_line(error)})",
+        f"Dynamo cannot capture a layer as one region ({first_line(error)})",
         stacklevel=3,
     )
     return True
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
 
 
 __all__ = ["allocate", "mark_layers", "undo_on", "unmark", "why_not"]

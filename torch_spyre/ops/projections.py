@@ -308,13 +308,13 @@ def _device_into_cache(args, k_cache, v_cache, cache_position) -> torch.Tensor |
             return None
     length = int(k_cache.shape[2])
     pos = access.read(cache_position).to(torch.int64)
-    if s and (int(pos.min()) < -length or int(pos.max()) >= length):
+    # index_copy_'s bounds: [0, length), no wrapping of negative positions
+    if s and (int(pos.min()) < 0 or int(pos.max()) >= length):
         bad = int(pos.max()) if int(pos.max()) >= length else int(pos.min())
         raise IndexError(
             f"spyre::norm_qkv_into_cache: cache position {bad} is out of bounds for a "
             f"cache of {length} rows"
         )
-    pos = torch.where(pos < 0, pos + length, pos)  # index_copy_ wraps negative positions
     if s and pos.unique().numel() != s:
         return None  # a row written twice: index_copy_'s order, not one store
     run = s if s and torch.equal(pos, pos[0] + torch.arange(s)) else 1
