@@ -105,11 +105,47 @@ def test_routing_sample_passes():
     assert Counter(r.status for _, r in outcomes)[PASS] == ROUTING_GRAPHS
 
 
-@pytest.mark.parametrize("config", ["ci", "routing"])
+#: the motif sample (``--config blocks``): decoder-layer halves written in the
+#: grammar's ops (``motifs.py``), BLOCKS_BATCH per compile
+BLOCKS_SEEDS = range(96, 120)
+BLOCKS_BATCH = 4
+
+
+def test_blocks_sample_passes():
+    """Attention and MLP halves with random sizes, dtypes and options (and
+    their near misses), each on the CPU, eagerly and compiled on spyre: every
+    output within the oracle's tolerance; and the sample reaches the fused
+    programs the motifs are for (a norm + Q/K/V projections program with
+    its RoPE, one storing K and V into their cache, the SwiGLU MLP, flash
+    attention), so it fails if the motifs stop reaching them."""
+    from torch_spyre.profiler import profile
+    from torch_spyre.tools.fuzz.generator import BLOCKS
+
+    quiet()
+    seeds = list(BLOCKS_SEEDS)
+    outcomes = []
+    with fresh_cache(), profile() as prof:
+        for first in range(0, len(seeds), BLOCKS_BATCH):
+            batch = seeds[first : first + BLOCKS_BATCH]
+            results, _ = check_many([generate(s, BLOCKS) for s in batch], seed=batch[0])
+            outcomes += list(zip(batch, results))
+    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
+    assert not failed, "\n".join(failed)
+    names = {k.name for k in prof.kernels}
+    for what, hit in (
+        ("norm + projections + RoPE", lambda n: n.startswith("projections_") and "_rope" in n),
+        ("projections into a KV cache", lambda n: n.startswith("projections_") and "_cache" in n),
+        ("SwiGLU MLP", lambda n: n.startswith("swiglu_mlp_")),
+        ("flash attention", lambda n: n.startswith("flash_attn_")),
+    ):
+        assert any(hit(n) for n in names), f"no {what} program in the sample: {sorted(names)}"
+
+
+@pytest.mark.parametrize("config", ["ci", "routing", "blocks"])
 def test_generated_graphs_are_valid_on_the_cpu(config):
     """Every graph type-checks, and its inferred shapes, dtypes and value
     ranges hold when it runs (so a failure on spyre is the backend's)."""
-    for seed in range(200 if config == "ci" else 400):
+    for seed in range({"ci": 200, "routing": 400, "blocks": 150}[config]):
         g = generate(seed, cli.CONFIGS[config])
         fn, make_inputs, _ = build(g)
         outs = fn(*make_inputs("cpu"))

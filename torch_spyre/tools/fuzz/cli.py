@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from torch_spyre.tools.fuzz.generator import CI, LONG, ROUTING, generate
+from torch_spyre.tools.fuzz.generator import BLOCKS, CI, LONG, ROUTING, generate
 
-CONFIGS = {"ci": CI, "long": LONG, "routing": ROUTING}
+CONFIGS = {"blocks": BLOCKS, "ci": CI, "long": LONG, "routing": ROUTING}
 DEFAULT_CASES = Path("tests/compiler/fuzz_cases")
 
 

@@ -66,6 +66,8 @@ class Config:
     p_noncontiguous: float = 0.25
     #: ops left out (names of ops.OPS)
     exclude: tuple[str, ...] = ()
+    #: chance that a graph starts with model-shaped motifs (``motifs.py``)
+    motifs: float = 0.0
 
 
 #: the grammar's later ops (``ops/routing.py``: top-k and sort, attention, row
@@ -76,6 +78,9 @@ CI = Config(exclude=ROUTING_OPS)
 #: CI-sized graphs drawing the whole grammar
 ROUTING = Config()
 LONG = Config(min_ops=2, max_ops=12, max_numel=16384, max_dim=200)
+#: an attention and/or MLP half of a decoder layer (what the fused programs
+#: match, and their near misses), then a few ops of the whole grammar
+BLOCKS = Config(min_ops=0, max_ops=2, max_numel=65536, max_dim=200, motifs=1.0)
 
 
 class Builder:
@@ -157,6 +162,11 @@ class Builder:
     def new_index(self, shape: list, high, unique: int | None = None) -> int:
         return self._input({"kind": "index", "shape": shape, "high": high, "unique": unique})
 
+    def new_positions(self, shape: list, high, run: bool) -> int:
+        """Distinct row positions below ``high`` (a 1-D index): consecutive
+        from a random start when ``run`` (a prefill's cache rows), else any."""
+        return self._input({"kind": "index", "shape": shape, "high": high, "unique": 0, "run": run})
+
     def new_mask(self, shape: list) -> int:
         return self._input({"kind": "mask", "shape": shape, "p": self.rng.choice([0.3, 0.5, 0.8])})
 
@@ -174,6 +184,10 @@ def generate(seed: int, config: Config = CI) -> Graph:
     for _ in range(rng.choice([1, 1, 2])):
         rank = rng.choices([1, 2, 3, 4], [0.1, 0.35, 0.35, 0.2])[0]
         b.new_float(b.shape(rank))
+    if config.motifs and rng.random() < config.motifs:
+        from torch_spyre.tools.fuzz import motifs
+
+        motifs.play(b)
     target = rng.randint(config.min_ops, config.max_ops)
     done = tries = 0
     while done < target and tries < 30 * target:
@@ -228,4 +242,4 @@ def _shift_attrs(n: Node, off: int) -> dict:
     return a
 
 
-__all__ = ["CI", "LONG", "Builder", "Config", "generate", "merge"]
+__all__ = ["BLOCKS", "CI", "LONG", "Builder", "Config", "generate", "merge"]

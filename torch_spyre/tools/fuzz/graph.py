@@ -218,6 +218,8 @@ def _infer_input(g: Graph, n: Node) -> None:
         unique = a.get("unique")
         if unique is not None and n.shape[unique] > high:
             raise Invalid("unique index longer than its range")
+        if a.get("run") and len(n.shape) != 1:
+            raise Invalid("a run of positions is one-dimensional")
         n.lo, n.hi = 0.0, float(high - 1)
     elif kind == "mask":
         n.dtype = "bool"
@@ -276,7 +278,13 @@ def _input_code(g: Graph, n: Node) -> tuple[str, str]:
     elif kind == "index":
         high = int(n.hi) + 1
         unique = a.get("unique")
-        if unique is None:
+        if a.get("run"):
+            # consecutive positions from a random start (a prefill's cache rows)
+            count = base_shape[0]
+            base = (
+                f"(torch.arange({count}) + torch.randint(0, {high - count + 1}, (1,), generator=g))"
+            )
+        elif unique is None:
             base = f"torch.randint(0, {high}, {size}, generator=g)"
         else:
             # distinct along `unique`: a prefix of a random permutation there

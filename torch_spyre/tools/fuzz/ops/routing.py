@@ -169,8 +169,11 @@ def _sample_write(b):
 
 def _code_write(g, n, a):
     at = n.attrs
-    if at["kind"] == "index_copy":
-        return f"{a[0]}.index_copy({at['dim']}, {a[1]}, {a[2]})"
+    if at["kind"] in ("index_copy", "index_copy_"):
+        # index_copy_ writes its input in place (a KV cache's update: models
+        # only, ``motifs.py``; every run writes the same rows, so a rerun on
+        # the written input gives the same values)
+        return f"{a[0]}.{at['kind']}({at['dim']}, {a[1]}, {a[2]})"
     acc = at["kind"] == "index_put_acc"
     return f"{a[0]}.index_put(({a[1]},), {a[2]}, accumulate={acc})"
 
