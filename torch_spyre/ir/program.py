@@ -171,6 +171,7 @@ class Program(ProgramChecks, ProgramText):
     def lx_extents(self) -> dict[str, dict[str, int]]:
         """Every buffer's ``buffer_extents`` from one pass over the steps."""
         ext: dict[str, dict[str, int]] = {b.name: dict.fromkeys(b.dims, 1) for b in self.buffers}
+        dims = {d.name: d for d in self.dims}  # (``step_extent``, without a search per dim)
         for s in self.steps:
             w = step_writes(s)
             for name in (*step_reads(s), *((w,) if w is not None else ())):
@@ -178,7 +179,7 @@ class Program(ProgramChecks, ProgramText):
                 if e is None:
                     continue
                 for d in e:
-                    x = self.step_extent(s, d)
+                    x = dims[d].tile_size if d in s.loops else dims[d].core_extent
                     if x > e[d]:
                         e[d] = x
         return ext

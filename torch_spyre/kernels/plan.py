@@ -392,28 +392,9 @@ def _pipelined_tiles(split, tiles, loops, steps, reduced, stick_of):
 
 
 def _lx_total(prog: Program, cfg: HardwareConfig) -> int:
-    """``sum(prog.lx_usage(cfg).values())`` in one pass over the steps (the
-    tile search asks it for every shrink of every candidate)."""
-    dims = {d.name: d for d in prog.dims}
-    ext = {b.name: dict.fromkeys(b.dims, 1) for b in prog.buffers}
-    for s in prog.steps:
-        w = step_writes(s)
-        for name in (*step_reads(s), *((w,) if w else ())):
-            e = ext.get(name)
-            if e is None:
-                continue
-            for d in e:
-                x = dims[d].tile_size if d in s.loops else dims[d].core_extent
-                if x > e[d]:
-                    e[d] = x
-    total = 0
-    for b in prog.buffers:
-        itemsize = b.dtype.itemsize
-        stick = cfg.stick_bytes // itemsize
-        ex = [ext[b.name][d] for d in b.dims] or [1]
-        ex[-1] = ceil_div(ex[-1], stick) * stick
-        total += math.prod(ex) * itemsize * (2 if b.double_buffered else 1)
-    return total
+    """The LX bytes ``prog`` uses on one core (the tile search asks it for
+    every shrink of every candidate)."""
+    return sum(prog.lx_usage(cfg).values())
 
 
 def _fit(
