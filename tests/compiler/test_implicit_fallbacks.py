@@ -72,3 +72,39 @@ def test_inductor_still_adds_fallbacks_to_needs_realized_inputs():
         lowering.needs_realized_inputs.discard(op)
         if saved is not None:
             lowering.lowerings[op] = saved
+
+
+def test_a_static_cache_prefix_reaches_attention_in_place():
+    """A static cache's prefill as transformers writes it: the new K and V
+    rows copied into the caches in place, then causal SDPA over the first
+    ``n`` rows of each (``sdpa_attention_forward`` slices the cache so when
+    the mask is skipped).  Compiled, the slices reach the flash program as
+    they lie (``_kv_rows_in_place``: no copy kernel of the prefix), and the
+    answer and the written caches are the CPU's (fp32)."""
+    from torch_spyre.profiler import profile
+
+    def prefill(q, k, v, kc, vc, pos):
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        n = q.shape[2]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, kc[:, :, :n], vc[:, :, :n], is_causal=True, enable_gqa=True
+        )
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 64, 64, generator=g)
+    k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(2))
+    kc, vc = (torch.randn(1, 2, 96, 64, generator=g) for _ in range(2))
+    pos = torch.arange(64)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = prefill(q, k, v, want_kc, want_vc, pos)
+    dev = [t.to("spyre") for t in (q, k, v, kc, vc, pos)]
+    compiled = torch.compile(prefill, fullgraph=True, dynamic=False)
+    with inductor_config.patch(fx_graph_cache=False), profile() as prof:
+        got = compiled(*dev)
+    names = [n.name for n in prof.kernels]
+    assert "flash_attn_1x8x64x64x64_causal_gqa4_of96" in names, names
+    assert not any("slice" in n or "clone" in n for n in names), names
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dev[3].cpu(), want_kc, rtol=0, atol=0)
+    torch.testing.assert_close(dev[4].cpu(), want_vc, rtol=0, atol=0)

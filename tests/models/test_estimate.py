@@ -210,18 +210,20 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
         # in place, with no copy of the cache)
         assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
         assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
-    # 1.18x (no re-lay copies, the norms as prologues of the QKV
+    # 1.16x (no re-lay copies, the norms as prologues of the QKV
     # projections' and the MLP's programs, the residual add in the MLP
     # program, attention stored token-major, RoPE and the head split as the
-    # projections' epilogue, the projections' stores overlapped; performance.md).
+    # projections' epilogue, the projections' stores overlapped, K and V
+    # stored into the cache by that program and attended there in place;
+    # performance.md).
     # The same in every process: CI once saw 1.411x against 1.40x, where an
     # earlier compile in the process had changed how Inductor lowered the next
     # graph (compiler/implicit_fallbacks.py)
-    assert r["prefill_vs_compute_floor"] <= 1.19
+    assert r["prefill_vs_compute_floor"] <= 1.16
     # each kernel at its floor as calibrated (operands once at the sustained
-    # bandwidth) sums to 1.11x: issue 30's 1.15x is within this split into
+    # bandwidth) sums to 1.10x: issue 30's 1.15x is within this split into
     # kernels, not yet met by its plans; no kernel beats its floor
-    assert 1.10 < r["prefill_kernel_floors_vs_compute_floor"] < 1.12
+    assert 1.09 < r["prefill_kernel_floors_vs_compute_floor"] < 1.10
     for phase in ("prefill", "decode"):
         for part in d[phase]:
             for k in part["plans"]:
@@ -276,11 +278,13 @@ def test_granite_8b_long_prompt_prefill(tmp_path):
 @pytest.mark.slow  # plans the real 8B layer at 4 x 512 tokens a step: ~15 s
 def test_granite_8b_batched_prefill_rotates_in_the_projections_program(tmp_path):
     """Batch 32 x 512 (4 prompts a 2048-token step): the norm, Q, K and V,
-    RoPE on Q and K and the head split are one program, read as they lie by
-    the cache writes and flash attention (no RoPE program, no re-lay of V);
-    the norm before the MLP is its program's prologue: 6 kernels a layer.
-    The modelled prefill is pinned (2,969.6 ms, 1.11x: issue 30's bar of
-    1.2x is met; 3,146.2 ms with the RoPE programs)."""
+    RoPE on Q and K, the head split and K's and V's stores into the static
+    cache are one program; flash attention reads the cache's first 512 rows
+    of each head where they lie (no RoPE program, no re-lay of V, no
+    cache-write kernel, no copy of the prefix); the norm before the MLP is
+    its program's prologue: 4 kernels a layer.  The modelled prefill is
+    pinned (2,923.0 ms, 1.09x: issue 30's bar of 1.2x is met; 2,969.6 ms
+    with the cache writes apart, 3,146.2 ms with the RoPE programs)."""
     from torch_spyre import cli
 
     out = tmp_path / "granite_b32.json"
@@ -289,11 +293,12 @@ def test_granite_8b_batched_prefill_rotates_in_the_projections_program(tmp_path)
     d = json.loads(out.read_text())
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
     names = [k["name"] for k in layer["plans"]]
-    assert len(names) == 6 and not any("mm_add_attention" in n for n in names), names
-    assert names[0].startswith("projections_") and names[0].endswith("_norm_rope_bhsd")
+    assert len(names) == 4 and not any("mm_add_attention" in n for n in names), names
+    assert names[0].startswith("projections_") and names[0].endswith("_norm_rope_bhsd_cache")
+    assert names[1].startswith("flash_attn_") and names[1].endswith("_of640")
     assert names[-1].endswith("_res_norm")
-    assert d["prefill_s"] == pytest.approx(2.9695595171786944, rel=1e-9)
-    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.12
+    assert d["prefill_s"] == pytest.approx(2.9230460826769757, rel=1e-9)
+    assert d["ratios"]["prefill_vs_compute_floor"] <= 1.09
 
 
 @pytest.mark.slow  # plans the real 8B decode layer twice, with and without LoRA: ~30 s
@@ -428,7 +433,7 @@ HOST_FALLBACKS_G4 = 8  # prefill only: sort + sum grouping 8,192 routed slots; d
 DECODE_BYTES_G4 = 7_875_768_320
 PREFILL_FLOPS_G4 = 6_617_697_353_728
 KV_BYTES_G4 = 233_308_160
-PREFILL_S_G4 = 0.8733215878225964
+PREFILL_S_G4 = 0.8722803902280947
 DECODE_S_G4 = 0.0937283060205377
 
 
@@ -496,15 +501,15 @@ def test_gemma4_shards_each_layer_kinds_heads():
 # prefill_s, decode_s); 8 host fallbacks each (prefill's routed-slot grouping)
 G4_TP = {
     (1, "fp8"): (25_233_141_760, 48_812_226_560, 6_221_711_360, 233_308_160,
-                 0.8628866946784816, 0.08032076129200588),
+                 0.86184549708398, 0.08032076129200588),
     (2, "fp16"): (12_622_327_808, 25_244_655_616, 3_949_398_016, 116_654_080,
-                  0.7101618951508688, 0.05332663764030126),
+                  0.7095311738450268, 0.05332663764030126),
     (2, "fp8"): (12_622_327_808, 24_412_566_016, 3_117_308_416, 116_654_080,
-                 0.7035609927507214, 0.046668460119526474),
+                 0.7029302714448795, 0.046668460119526474),
     (4, "fp16"): (6_320_525_312, 12_641_050_624, 1_998_669_824, 64_225_280,
-                  0.5044356917582133, 0.032252202652628105),
+                  0.5040253017238491, 0.032252202652628105),
     (4, "fp8"): (6_320_525_312, 12_216_345_344, 1_573_964_544, 64_225_280,
-                 0.5010447655587562, 0.028930786631085347),
+                 0.5006343755243919, 0.028930786631085347),
 }  # fmt: skip
 
 

@@ -91,3 +91,39 @@ def test_soft_cap_costs_vector_work_only():
     )
     assert capped.dram_bytes == plain.dram_bytes and capped.flops == plain.flops
     assert max(capped.busy_s["vector"]) > max(plain.busy_s["vector"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_causal_prefill_over_a_cache_prefix_reads_it_in_place(dtype):
+    """``sdpa(q, cache[:, :, :n], ...)`` (transformers' causal prefill into an
+    empty StaticCache slices the cache so): the flash program reads the first
+    ``n`` rows of each head where they lie, with no re-laid copy of the
+    prefix, and answers as the CPU does; a prefix of another tensor's rows
+    (not at offset 0) is re-laid and read as before."""
+    from torch_spyre.profiler import profile
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 64, 128, generator=g).to(dtype)
+    kc, vc = (torch.randn(1, 2, 96, 128, generator=g).to(dtype) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), kc[:, :, :64].float(), vc[:, :, :64].float(), is_causal=True, enable_gqa=True
+    )
+    qd, kd, vd = S(q), S(kc), S(vc)
+    with profile() as prof:
+        got = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd[:, :, :64], vd[:, :, :64], is_causal=True, enable_gqa=True
+        )
+    assert [k.name for k in prof.kernels] == ["flash_attn_1x8x64x64x128_causal_gqa4_of96"]
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerances(dtype)
+    torch.testing.assert_close(got.cpu().float(), want, **tol)
+    # rows 16..79: not a prefix, a copy first (and the same answer)
+    with profile() as prof:
+        got = torch.nn.functional.scaled_dot_product_attention(
+            qd, kd[:, :, 16:80], vd[:, :, 16:80], is_causal=True, enable_gqa=True
+        )
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), kc[:, :, 16:80].float(), vc[:, :, 16:80].float(), is_causal=True,
+        enable_gqa=True,
+    )  # fmt: skip
+    assert "flash_attn_1x8x64x64x128_causal_gqa4" in [k.name for k in prof.kernels]
+    torch.testing.assert_close(got.cpu().float(), want, **tol)

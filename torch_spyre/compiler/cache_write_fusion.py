@@ -107,13 +107,21 @@ def fuse_cache_writes(gm: torch.fx.GraphModule) -> bool:
             or pos.meta["val"].shape[0] != s
         ):
             continue
-        # at the later put (a cache tensor may be made between the two): its
-        # inputs before it, every reader of what it replaces after it
-        at = max(kp, vp, key=order.__getitem__)
+        # at the earlier put, or the later one (a cache tensor may be made
+        # between the two; a reader of K's cache, transformers' prefix slice
+        # for a causal prefill, may come before V's put): its inputs before
+        # it, every reader of what it replaces after it
         replaced = [items[0], *(next(iter(p.users)) for p in (kp, vp))]
-        if any(order[x] >= order[at] for x in (kc, vc, pos)) or any(
-            order.get(u, -1) <= order[at] for r in replaced for u in r.users
-        ):
+        at = next(
+            (
+                put
+                for put in sorted((kp, vp), key=order.__getitem__)
+                if all(order[x] < order[put] for x in (kc, vc, pos))
+                and all(order.get(u, -1) > order[put] for r in replaced for u in r.users)
+            ),
+            None,
+        )
+        if at is None:
             continue
         kwargs = {k: v for k, v in a.items() if k not in ("ws", "heads_first")}
         kwargs.update(wq=a["ws"][0], wk=a["ws"][1], wv=a["ws"][2], rope=list(a["rope"] or ()))

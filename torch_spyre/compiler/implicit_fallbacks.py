@@ -82,12 +82,63 @@ def _any_layout_for_the_written_tensor(op: torch._ops.OpOverload):
     return constraint
 
 
+def _kv_rows_in_place(_fx_node, *args, **kwargs):
+    """The attention ops' layout constraint: every input contiguous (their
+    tag's), except K and V when they are the first rows of each head of a
+    longer [b, h, S, d] buffer (``x[:, :, :n]``: transformers slices a static
+    cache so for a causal prefill, ``sdpa_attention_forward``), which the
+    flash program reads where they lie (``ops/attention._row_prefix``).
+    Made contiguous, each was a copy of the prefix (2 x 37.4 us a layer of
+    Granite-8B's 1,024-token prefill) and the cache rows' writes had a
+    second reader, so they stayed kernels of their own."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import require_contiguous_strides
+
+    kv = {1: args[1], 2: args[2]} if len(args) > 2 else {}
+    kept = {i: x for i, x in kv.items() if _rows_of_longer(x)}
+    rest = tuple(None if i in kept else a for i, a in enumerate(args))
+    rest, kwargs = require_contiguous_strides(_fx_node, *rest, **kwargs)
+    out = list(rest)
+    for i, x in kept.items():
+        out[i] = ir.ExternKernel.require_exact_strides(x, x.get_layout().stride)
+    return tuple(out), kwargs
+
+
+def _rows_of_longer(x) -> bool:
+    """Whether IR node ``x`` [b, h, n, d] is laid out as the first ``n`` rows
+    of each head of a contiguous [b, h, S, d], S > n (strides fixed)."""
+    from torch._inductor import ir
+
+    try:
+        layout = x.get_layout()
+    except (AttributeError, NotImplementedError):
+        return False
+    if not isinstance(layout, ir.FixedLayout):
+        return False
+    try:
+        size = [int(v) for v in layout.size]
+        stride = [int(v) for v in layout.stride]
+        offset = int(layout.offset)
+    except TypeError:  # symbolic
+        return False
+    if len(size) != 4 or offset != 0 or stride[3] != 1 or stride[2] != size[3]:
+        return False
+    rows, extra = divmod(stride[1], size[3])
+    return extra == 0 and rows > size[2] and stride[0] == size[1] * stride[1]
+
+
+#: the ops whose K and V may be a static cache's row prefix (``_kv_rows_in_place``)
+_ATTENTION_OPS = ("attention", "attention_bshd", "attention_ext")
+
+
 def _constraint(op: torch._ops.OpOverload):
     from torch._inductor import lowering
     from torch._library.utils import get_layout_constraint_tag
 
     if op is torch.ops.spyre.index_put_.default:
         return _any_layout_for_the_written_tensor(op)
+    if op.namespace == "spyre" and op._opname in _ATTENTION_OPS:
+        return _kv_rows_in_place
     return lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
 
 

@@ -82,6 +82,7 @@ def flash_attention(
     softcap: float | None = None,
     sinks: bool = False,
     paged: PagedKV | None = None,
+    kv_rows: int | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -118,6 +119,10 @@ def flash_attention(
     the mask (Gemma-2).  ``sinks``: operand ``sinks`` [hk, g] fp32, one logit
     per query head that joins every row's softmax and attends to nothing.
 
+    ``kv_rows``: ``k`` and ``v`` are [b, hk, kv_rows, d] and the program reads
+    their first ``skv`` rows (a static cache's rows written so far, read
+    where they lie: no copy of the prefix; None: ``skv``).
+
     ``paged``: the operands of vLLM's paged attention instead: ``q`` [T, hk,
     g, d] and ``out`` [T, hk, g, d] token rows, the cache ``kv`` [2, slots,
     hk, d], and two int32 row tables, ``q_rows`` [b, sq] (the token row of
@@ -136,6 +141,10 @@ def flash_attention(
         raise ProgramError(
             "paged flash attention: causality comes in the mask, the output is token-major "
             "and V's head size is K's"
+        )
+    if kv_rows is not None and (kv_rows < skv or paged is not None):
+        raise ProgramError(
+            f"flash attention: {skv} keys read from {kv_rows} cache rows (paged: {paged})"
         )
     g = hq // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -169,15 +178,18 @@ def flash_attention(
     db = double_buffer
     i32 = torch.int32
     if paged is None:
+        rows = skv if kv_rows is None else kv_rows
+        # a prefix of longer K/V: the loads start at row 0 of each head's rows
+        prefix = {"offsets": (0, 0, 0, 0)} if rows != skv else {}
         operands = [
             Operand("q", SpyreTensorLayout.default((b, hk, g, sq, d), dtype), "input"),
-            Operand("k", SpyreTensorLayout.default((b, hk, skv, d), dtype), "input"),
-            Operand("v", SpyreTensorLayout.default((b, hk, skv, dv), dtype), "input"),
+            Operand("k", SpyreTensorLayout.default((b, hk, rows, d), dtype), "input"),
+            Operand("v", SpyreTensorLayout.default((b, hk, rows, dv), dtype), "input"),
         ]
         steps: list = [Load("qt", "q", qi, l3)]
         kv_loads = [
-            Load("kt", "k", ki, l4, multicast=kv_mc),
-            Load("vt", "v", vi, l4, multicast=kv_mc),
+            Load("kt", "k", ki, l4, multicast=kv_mc, **prefix),
+            Load("vt", "v", vi, l4, multicast=kv_mc, **prefix),
         ]
         buffers = []
     else:
@@ -321,7 +333,8 @@ def flash_attention(
         + (f"_dv{dv}" if dv != d else "")
         + (f"_cap{softcap:g}" if softcap else "")
         + ("_sinks" if sinks else "")
-        + ("_paged" if paged is not None else ""),
+        + ("_paged" if paged is not None else "")
+        + (f"_of{kv_rows}" if kv_rows is not None and kv_rows != skv else ""),
         dims=dims,
         operands=tuple(operands),
         buffers=tuple(buffers),
@@ -348,6 +361,7 @@ def best_flash_attention(
     softcap: float | None = None,
     sinks: bool = False,
     paged: PagedKV | None = None,
+    kv_rows: int | None = None,
     config: HardwareConfig | None = None,
     name: str | None = None,
 ) -> Program:
@@ -393,7 +407,7 @@ def best_flash_attention(
             b, hq, hk, sq, skv, d, dtype, causal=causal, scale=scale, mask=mask,
             split=split, tiles=(tq, tk), double_buffer=db, out_buffer=ob, head_tile=th,
             heads_last=heads_last, dv=dv, softcap=softcap, sinks=sinks,
-            paged=paged, config=cfg, name=name,
+            paged=paged, kv_rows=kv_rows, config=cfg, name=name,
         )  # fmt: skip
 
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))

@@ -211,8 +211,14 @@ class _LayerCache:
 
     ``update`` writes the new keys/values at ``positions`` (in place, in device
     memory: ``index_copy_``, the device's DMA kernel) and returns what the
-    attention attends over: the whole static cache (decode) or the new keys
-    and values (prefill: causal attention over the prompt).
+    attention attends over: the whole static cache (decode, and a prefill
+    from position 0 attending causally: ``is_causal`` is top-left aligned, so
+    query i sees cache rows 0..i, the rows just written, and the flash
+    program skips the key tiles past the diagonal), or the new keys and
+    values (a sliding window's prefill mask, over the prompt).  Read from
+    the cache, the new K and V have no reader but their write, and the
+    projections program stores them into their rows itself
+    (``compiler/cache_write_fusion.py``).
     """
 
     def __init__(self, keys, values, positions, whole: bool):
@@ -649,7 +655,8 @@ def estimate(
                             f"a {tokens}-token prompt is longer than the {length}-position cache"
                         )
                 slot_d = slot.to(dev)
-                fn = layer_step(base.layers[i], whole=phase != "prefill")
+                # a prefill with no mask is causal from position 0: over the cache
+                fn = layer_step(base.layers[i], whole=phase != "prefill" or mask is None)
                 label = f"decoder layer ({kind})"
                 parts.append(
                     _run_part(

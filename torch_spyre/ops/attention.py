@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from torch_spyre.runtime import cards, dispatch_stats, launch, operands
+from torch_spyre.runtime import access, cards, dispatch_stats, launch, operands
 from torch_spyre.runtime.registration import entry
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -35,9 +35,12 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 @torch.library.custom_op(
     "spyre::attention",
     mutates_args=(),
-    # contiguous operands: the kernel reads whole default-layout tensors, so
-    # Inductor stores Q/K/V so (a strided producer would need two re-lays)
-    tags=(torch.Tag.needs_contiguous_strides,),
+    # no layout tag: the compiler's constraint for the three attention ops
+    # (compiler/implicit_fallbacks._kv_rows_in_place) stores every operand
+    # contiguous (the kernel reads whole default-layout tensors: a strided
+    # producer would need two re-lays) except K and V that are a static
+    # cache's first rows, which the program reads in place (a tag would
+    # take precedence over it, ``lowering.maybe_layout_constraints``)
 )
 def attention(
     q: torch.Tensor,
@@ -62,8 +65,7 @@ def _(q, k, v, mask, scale, is_causal):
 
 @torch.library.custom_op(
     "spyre::attention_bshd",
-    mutates_args=(),
-    tags=(torch.Tag.needs_contiguous_strides,),
+    mutates_args=(),  # no layout tag: as spyre::attention
 )
 def attention_bshd(
     q: torch.Tensor,
@@ -86,8 +88,7 @@ def attention_bshd(
 
 @torch.library.custom_op(
     "spyre::attention_ext",
-    mutates_args=(),
-    tags=(torch.Tag.needs_contiguous_strides,),
+    mutates_args=(),  # no layout tag: as spyre::attention
 )
 def attention_ext(
     q: torch.Tensor,
@@ -189,6 +190,25 @@ def _mask_operand(mask: torch.Tensor, b: int, hq: int, sq: int, skv: int):
     return operands.whole(m)
 
 
+def _row_prefix(t: torch.Tensor) -> torch.Tensor | None:
+    """The whole default-layout tensor [b, h, S, d] whose first rows of each
+    head ``t`` [b, h, n, d] is (``x[:, :, :n]``, n < S: a static cache's rows
+    written so far, as transformers slices them for a prefill), or None."""
+    if t.dim() != 4 or t.storage_offset() != 0:
+        return None
+    shape = tuple(access.storage_layout(t).host_size)
+    if (
+        len(shape) != 4
+        or shape[2] <= t.shape[2]
+        or shape[:2] + shape[3:] != t.shape[:2] + t.shape[3:]
+    ):
+        return None
+    base = t.as_strided(shape, (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1))
+    if t.stride() != base.stride() or not operands.is_whole_default(base):
+        return None
+    return base
+
+
 def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False, softcap=None, sinks=None):
     from torch_spyre import kernels
 
@@ -197,6 +217,11 @@ def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False, softcap
     dv = v.shape[-1]
     if hq % hk:
         return None
+    # K and V read in place when they are the first rows of longer ones
+    kb, vb = _row_prefix(k), _row_prefix(v)
+    kv_rows = None
+    if kb is not None and vb is not None and kb.shape[2] == vb.shape[2]:
+        k, v, kv_rows = kb, vb, kb.shape[2]
     m = None
     if mask is not None:
         m = _mask_operand(mask, b, hq, sq, skv)
@@ -207,14 +232,14 @@ def _device_attention(q, k, v, mask, scale, is_causal, heads_last=False, softcap
     softcap = float(softcap) if softcap else None
     key = (
         "attention", b, hq, hk, sq, skv, d, q.dtype, bool(is_causal), float(scale), minfo,
-        heads_last, dv, softcap, sinks is not None,
+        heads_last, dv, softcap, sinks is not None, kv_rows,
     )  # fmt: skip
 
     def build() -> launch.Kernel:
         p = kernels.best_flash_attention(
             b, hq, hk, sq, skv, d, q.dtype, causal=bool(is_causal), scale=float(scale),
             mask=minfo, heads_last=heads_last, dv=None if dv == d else dv, softcap=softcap,
-            sinks=sinks is not None, config=cards.config(dev.index or 0),
+            sinks=sinks is not None, kv_rows=kv_rows, config=cards.config(dev.index or 0),
         )  # fmt: skip
         return launch.Kernel(p)
 
