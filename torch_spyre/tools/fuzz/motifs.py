@@ -218,7 +218,14 @@ def attention_half(b) -> int:
             caches.append(_add(b, "write", [cache, pos, t], {"kind": write, "dim": 2}))
         kk, v = caches
         if mode == "causal":
-            mode = "mask"
+            # causal over the cache's first rows, as transformers slices an
+            # empty static cache for a prefill (read in place by the flash
+            # program), or over all of it with a mask
+            if rng.random() < 0.5:
+                kk, v = (_add(b, "slice", [t], {"kind": "slice", "dim": 2, "start": 0,
+                                                "stop": seq, "step": 1}) for t in (kk, v))  # fmt: skip
+            else:
+                mode = "mask"
     args = [q, kk, v]
     if mode == "mask":
         args.append(b.new_float([[q, -2], [kk, -2]], -4.0, 0.0, dtype=dt, layout_ok=False))
