@@ -83,11 +83,12 @@ def _any_layout_for_the_written_tensor(op: torch._ops.OpOverload):
 
 
 def _kv_rows_in_place(_fx_node, *args, **kwargs):
-    """The attention ops' layout constraint: every input contiguous (their
-    tag's), except K and V when they are the first rows of each head of a
-    longer [b, h, S, d] buffer (``x[:, :, :n]``: transformers slices a static
-    cache so for a causal prefill, ``sdpa_attention_forward``), which the
-    flash program reads where they lie (``ops/attention._row_prefix``).
+    """The attention ops' layout constraint: every input contiguous (what
+    their ``needs_contiguous_strides`` tag asked), except K and V when they
+    are the first rows of each head of a longer [b, h, S, d] buffer
+    (``x[:, :, :n]``: transformers slices a static cache so for a causal
+    prefill, ``sdpa_attention_forward``), which the flash program reads
+    where they lie (``ops/attention._row_prefix``).
     Made contiguous, each was a copy of the prefix (2 x 37.4 us a layer of
     Granite-8B's 1,024-token prefill) and the cache rows' writes had a
     second reader, so they stayed kernels of their own."""
@@ -127,17 +128,15 @@ def _rows_of_longer(x) -> bool:
     return extra == 0 and rows > size[2] and stride[0] == size[1] * stride[1]
 
 
-#: the ops whose K and V may be a static cache's row prefix (``_kv_rows_in_place``)
-_ATTENTION_OPS = ("attention", "attention_bshd", "attention_ext")
-
-
 def _constraint(op: torch._ops.OpOverload):
     from torch._inductor import lowering
     from torch._library.utils import get_layout_constraint_tag
 
     if op is torch.ops.spyre.index_put_.default:
         return _any_layout_for_the_written_tensor(op)
-    if op.namespace == "spyre" and op._opname in _ATTENTION_OPS:
+    spyre = torch.ops.spyre
+    # the ops whose K and V may be a static cache's row prefix
+    if op in (spyre.attention.default, spyre.attention_bshd.default, spyre.attention_ext.default):
         return _kv_rows_in_place
     return lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
 
