@@ -31,19 +31,25 @@ CI_GRAPHS = 520
 CI_BATCH = 20
 
 
-def _run_ci_seeds(n: int, dynamic: bool = False) -> list:
-    """(seed, outcome) of the CI seed set's first ``n`` graphs, CI_BATCH per
-    compile, a cold Inductor cache; fails naming every graph that failed."""
+def _check_seeds(seeds: list[int], config, batch: int, dynamic: bool = False) -> list:
+    """(seed, outcome) of the graphs of ``seeds`` under ``config``, ``batch``
+    per compile, a cold Inductor cache; fails naming every graph that failed."""
     quiet()
     outcomes = []
     with fresh_cache():
-        for first in range(0, n, CI_BATCH):
-            graphs = [generate(s, CI) for s in range(first, first + CI_BATCH)]
-            results, _ = check_many(graphs, seed=first, dynamic=dynamic)
-            outcomes += [(first + i, r) for i, r in enumerate(results)]
+        for first in range(0, len(seeds), batch):
+            chunk = seeds[first : first + batch]
+            graphs = [generate(s, config) for s in chunk]
+            results, _ = check_many(graphs, seed=chunk[0], dynamic=dynamic)
+            outcomes += list(zip(chunk, results))
     failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
     assert not failed, f"{len(failed)} of {len(outcomes)} graphs failed:\n" + "\n".join(failed)
     return outcomes
+
+
+def _run_ci_seeds(n: int, dynamic: bool = False) -> list:
+    """(seed, outcome) of the CI seed set's first ``n`` graphs (``_check_seeds``)."""
+    return _check_seeds(list(range(n)), CI, CI_BATCH, dynamic)
 
 
 @pytest.mark.slow
@@ -92,16 +98,7 @@ def test_routing_sample_passes():
     masked, and a KV cache's row writes, each on the CPU, eagerly and compiled
     on spyre: every output within the oracle's tolerance (or equal, for the
     indices a top-k or sort returns)."""
-    quiet()
-    seeds = _routing_seeds(ROUTING_GRAPHS)
-    outcomes = []
-    with fresh_cache():
-        for first in range(0, len(seeds), CI_BATCH):
-            batch = seeds[first : first + CI_BATCH]
-            results, _ = check_many([generate(s, ROUTING) for s in batch], seed=batch[0])
-            outcomes += list(zip(batch, results))
-    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
-    assert not failed, "\n".join(failed)
+    outcomes = _check_seeds(_routing_seeds(ROUTING_GRAPHS), ROUTING, CI_BATCH)
     assert Counter(r.status for _, r in outcomes)[PASS] == ROUTING_GRAPHS
 
 
@@ -121,16 +118,8 @@ def test_blocks_sample_passes():
     from torch_spyre.profiler import profile
     from torch_spyre.tools.fuzz.generator import BLOCKS
 
-    quiet()
-    seeds = list(BLOCKS_SEEDS)
-    outcomes = []
-    with fresh_cache(), profile() as prof:
-        for first in range(0, len(seeds), BLOCKS_BATCH):
-            batch = seeds[first : first + BLOCKS_BATCH]
-            results, _ = check_many([generate(s, BLOCKS) for s in batch], seed=batch[0])
-            outcomes += list(zip(batch, results))
-    failed = [f"seed {s}: {r.status}: {r.detail[:300]}" for s, r in outcomes if r.failed]
-    assert not failed, "\n".join(failed)
+    with profile() as prof:
+        _check_seeds(list(BLOCKS_SEEDS), BLOCKS, BLOCKS_BATCH)
     names = {k.name for k in prof.kernels}
     for what, hit in (
         ("norm + projections + RoPE", lambda n: n.startswith("projections_") and "_rope" in n),

@@ -194,7 +194,9 @@ def _row_prefix(t: torch.Tensor) -> torch.Tensor | None:
     """The whole default-layout tensor [b, h, S, d] whose first rows of each
     head ``t`` [b, h, n, d] is (``x[:, :, :n]``, n < S: a static cache's rows
     written so far, as transformers slices them for a prefill), or None."""
-    if t.dim() != 4 or t.storage_offset() != 0:
+    # strides first (no storage lookup): a whole K or V, every call of a
+    # decode step, has heads n * d apart, a prefix S * d > n * d
+    if t.dim() != 4 or t.storage_offset() != 0 or t.stride(1) <= t.shape[2] * t.shape[3]:
         return None
     shape = tuple(access.storage_layout(t).host_size)
     if (

@@ -100,9 +100,21 @@ def _tables(b, x: int, d: int, dt: str) -> tuple[int, int]:
     return tuple(_add(b, "view", [t], {"kind": "unsqueeze", "dim": 1}) for t in (cos, sin))
 
 
-def _slice(b, x: int, start: int, stop: int) -> int:
-    """``x[..., start:stop]`` (a merged projection's part)."""
-    d = len(b.g.nodes[x].shape) - 1
+def _head_geometry(rng) -> tuple[str, int, int, int]:
+    """(dtype, head size, KV heads, query heads per KV head) of an attention
+    half: head sizes whose halves are whole sticks, mostly, else a near miss."""
+    dt = rng.choice(["float16", "float16", "float32"])
+    stick = 64 if dt == "float16" else 32
+    d = rng.choice([2 * stick] * 4 + [48])
+    hk = rng.choice([1, 1, 2])
+    g = rng.choice([1, 2, 2, 4])
+    return dt, d, hk, g
+
+
+def _slice(b, x: int, start: int, stop: int, dim: int = -1) -> int:
+    """``x[..., start:stop]`` along ``dim`` (a merged projection's part, a
+    cache's first rows)."""
+    d = dim % len(b.g.nodes[x].shape)
     return _add(b, "slice", [x], {"kind": "slice", "dim": d, "start": start, "stop": stop,
                                   "step": 1})  # fmt: skip
 
@@ -115,11 +127,7 @@ def attention_half_vllm(b) -> int:
     residual.  (vLLM's attention op is opaque to the compiler; here SDPA
     over [heads, tokens, d] stands for it.)  Its last node."""
     rng = b.rng
-    dt = rng.choice(["float16", "float16", "float32"])
-    stick = 64 if dt == "float16" else 32
-    d = rng.choice([2 * stick] * 4 + [48])
-    hk = rng.choice([1, 1, 2])
-    g = rng.choice([1, 2, 2, 4])
+    dt, d, hk, g = _head_geometry(rng)
     tokens = rng.choice([16, 32, 64, 64, 65, 128, 130])
     k = rng.choice([64, 96, 128])
     x = b.new_float([tokens, k], -2.0, 2.0, dtype=dt, layout_ok=rng.random() < 0.2)
@@ -174,12 +182,7 @@ def attention_half(b) -> int:
     mask or none; grouped heads), the output projection and maybe the
     residual.  Its last node."""
     rng = b.rng
-    dt = rng.choice(["float16", "float16", "float32"])
-    stick = 64 if dt == "float16" else 32
-    # head sizes whose halves are whole sticks, mostly; else a near miss
-    d = rng.choice([2 * stick] * 4 + [48])
-    hk = rng.choice([1, 1, 2])
-    g = rng.choice([1, 2, 2, 4])
+    dt, d, hk, g = _head_geometry(rng)
     bsz = rng.choice([1, 1, 2])
     seq = rng.choice([32, 64, 64, 65, 96, 128])
     k = rng.choice([64, 96, 128])
@@ -222,8 +225,7 @@ def attention_half(b) -> int:
             # empty static cache for a prefill (read in place by the flash
             # program), or over all of it with a mask
             if rng.random() < 0.5:
-                kk, v = (_add(b, "slice", [t], {"kind": "slice", "dim": 2, "start": 0,
-                                                "stop": seq, "step": 1}) for t in (kk, v))  # fmt: skip
+                kk, v = (_slice(b, t, 0, seq, dim=2) for t in (kk, v))
             else:
                 mode = "mask"
     args = [q, kk, v]
