@@ -20,6 +20,7 @@ from torch_spyre import kernels
 from torch_spyre.hardware import HardwareConfig
 from torch_spyre.ir import Dim, Matmul, Store
 from torch_spyre.kernels import options
+from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.profiler import profile
 from torch_spyre.runtime import dispatch_stats
 from torch_spyre.sim import estimate, timing_only
@@ -212,12 +213,13 @@ def _rms(h, w, eps=1e-5):
     return w * f.to(h.dtype)
 
 
-def _layer_tail(norm):
+def _layer_tail(norm, proj: bool = True):
     """A decoder layer after attention: the output projection and residual
-    add, the norm, the MLP and its residual add (Granite's multipliers)."""
+    add, the norm, the MLP and its residual add (Granite's multipliers);
+    ``proj=False``: the stream is ``res + o * 0.22``, no projection."""
 
     def fn(res, o, wo, nw, wg, wu, wd):
-        s = res + F.linear(o, wo) * 0.22
+        s = res + (F.linear(o, wo) if proj else o) * 0.22
         return s + swiglu(norm(s, nw), wg, wu, wd) * 0.22
 
     return fn
@@ -237,10 +239,11 @@ def test_rms_norm_before_the_mlp_is_the_mlp_programs_prologue(lead, dtype):
     """``s + mlp(rms_norm(s))``: the norm runs in LX inside the MLP program
     (``spyre::swiglu_mlp_norm_add``), which reads the residual stream ``s``
     (twice, or once where its tile stays in LX for the add: ``keep_stream``)
-    and never the normed activation; ``s`` itself is the output projection's
-    epilogue.  Two programs, no reduction kernel of its own."""
+    and never the normed activation; ``s`` is a kernel of its own here (an
+    add; an output projection before it is the next test).  Two programs,
+    no reduction kernel of its own."""
     args = _tail_args(lead, 128, 320, dtype)
-    fn = _layer_tail(_rms)
+    fn = _layer_tail(_rms, proj=False)
     out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, args, dtype)
     ref = fn(*args)  # the CPU in the model's dtype: the roundings the card follows
     torch.testing.assert_close(out.cpu(), ref, **tolerances(dtype))
@@ -256,6 +259,79 @@ def test_rms_norm_before_the_mlp_is_the_mlp_programs_prologue(lead, dtype):
     loads = [s.operand for s in prog.steps if getattr(s, "kind", "") == "load"]
     assert loads.count("x") == (1 if kept else 2), (kept, loads)
     assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
+
+
+@pytest.mark.parametrize("lead,dtype", [((1, 64), H), ((2, 8), H), ((40,), torch.float32)], ids=str)
+def test_output_projection_is_the_mlp_programs_prologue(lead, dtype):
+    """``s = res + (o @ wo^T) * c`` then ``s + mlp(rms_norm(s))``: a decoder
+    layer's whole second half from its attention output ``o`` is one
+    program (``spyre::proj_swiglu_mlp_norm_add``): the projection contracts
+    in a loop of its own before the MLP's (``Program.branches``) into the
+    accumulator the down projection later uses, and the residual stream
+    ``s`` lives only in LX (no operand, never stored)."""
+    args = _tail_args(lead, 128, 320, dtype)
+    fn = _layer_tail(_rms)
+    dispatch_stats.reset("kernel")
+    out, ks, fallbacks, prof_fallbacks = _run_compiled(fn, args, dtype)
+    torch.testing.assert_close(out.cpu(), fn(*args), **tolerances(dtype))
+    assert fallbacks == {} and prof_fallbacks == {}
+    names = [k.name for k in ks]
+    assert len(names) == 1 and names[0].endswith("_res_norm_oproj128"), names
+    assert dispatch_stats.counts("kernel").get("proj_swiglu_mlp_norm_add") == 2
+    prog = _program(names[0])
+    assert prog.branches
+    assert {o.name for o in prog.operands} == {"a", "wo", "res", "nw", "wg", "wu", "wd", "out"}
+    assert [s.operand for s in prog.steps if isinstance(s, Store)] == ["out"]
+
+
+@pytest.mark.parametrize("shape", [(24, 2, 64), (24, 128), (1, 24, 2, 64)], ids=str)
+def test_output_projection_reads_the_attention_output_in_place(shape):
+    """The op's attention output as vLLM ([T, H, D], [T, H * D]) and
+    transformers (token-major [B, S, H, D]) leave it: with D whole sticks
+    its bytes are those of the [S, J] or [B, S, J] operand the program
+    declares, so it is read where it lies (no d2d re-lay); fp32 against the
+    CPU."""
+    k, n, j = 128, 320, 128
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(*shape, generator=g)
+    res = torch.randn(1, 24, k, generator=g)
+    wo = torch.randn(k, j, generator=g) / math.sqrt(j)
+    nw = 1 + 0.2 * torch.randn(k, generator=g)
+    mlp = _mlp_args((1,), k, n, torch.float32, seed=4)[1:]
+    args = (res, 0.25, nw, 1e-6, *mlp, 0.5)
+    want = torch.ops.spyre.proj_swiglu_mlp_norm_add(a.reshape(1, 24, j), wo, *args)
+    dev = [t.to("spyre") if isinstance(t, torch.Tensor) else t for t in (a, wo, *args)]
+    dispatch_stats.reset("kernel")
+    with profile() as prof:
+        out = torch.ops.spyre.proj_swiglu_mlp_norm_add(dev[0].reshape(1, 24, j), *dev[1:])
+    assert dispatch_stats.counts("kernel") == {"proj_swiglu_mlp_norm_add": 1}
+    assert [t.kind for t in prof.transfers if t.kind == "d2d"] == []
+    (kern,) = prof.kernels
+    # declared [1, S, J], laid out as the tensor it reads: a 2-D [S, J]'s
+    # column sticks outermost, or the token-major default
+    lay = _program(kern.name).operand("a").layout
+    as_read = (24, j) if len(shape) < 4 else (1, 24, j)
+    assert lay.host_size == (1, 24, j)
+    assert lay.device_size == SpyreTensorLayout.default(as_read, torch.float32).device_size
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_output_projection_prologue_pays_in_prefill_not_in_decode():
+    """Granite-3.3-8B: at 1024 rows the program with the output projection
+    (3,821.6 us) beats the projection (514.0 us) and the MLP (3,442.4 us)
+    apart, the stream's 8 MiB store and reload gone; in a decode step the
+    MLP's split (hidden units over cores) makes the prologue slower than the
+    projection's own plan (2,940.5 against 285.5 + 2,648.2 us), so the
+    compiler keeps the two kernels (``kernels.swiglu.proj_pays``)."""
+    from torch_spyre.kernels.swiglu import proj_pays
+
+    cfg = HardwareConfig()
+    shape = (4096, 12800, 4096, H, 0.22, 1e-5, 0.22, cfg)
+    assert proj_pays(1, 1024, *shape) and not proj_pays(1, 1, *shape)
+    fused = kernels.best_swiglu_mlp(
+        1, 1024, 4096, 12800, 4096, residual=0.22, norm_eps=1e-5, proj=(4096, 0.22)
+    )
+    assert estimate(fused).time_s == pytest.approx(3.82156481443299e-3, rel=1e-9)
 
 
 def test_a_norm_that_scales_in_fp32_stays_its_own_kernel():
@@ -399,12 +475,16 @@ def test_attention_output_is_stored_token_major(case):
     assert store.index == ("b", "q", "h", "g", "d")
 
 
-def test_decoder_layer_has_no_relayout_copies():
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "normed"])
+def test_decoder_layer_has_no_relayout_copies(norm):
     """Inductor reuses freed buffers only for the same shape and strides on
     spyre (a buffer keeps the stick layout it was allocated with; reusing
     it in another shape would re-lay every operand through a d2d copy), and
     attention operands are stored contiguous: a llama-style attention
-    block + MLP moves no data outside its kernels."""
+    block + MLP moves no data outside its kernels.  With the norm before
+    the MLP, the output projection is the MLP program's prologue, which
+    reads the attention's token-major [1, S, H, D] output in place as the
+    [1, S, H * D] operand it declares (the same bytes: D is whole sticks)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     s, e, hq, hk, dh, n = 64, 256, 4, 2, 64, 384
@@ -414,25 +494,27 @@ def test_decoder_layer_has_no_relayout_copies():
 
     ws = [w(hq * dh, e), w(hk * dh, e), w(hk * dh, e), w(e, hq * dh), w(n, e), w(n, e), w(e, n)]
     x = torch.randn(1, s, e, generator=g).to(H)
+    nw = (1 + 0.2 * torch.randn(e, generator=g)).to(H)
 
-    def block(x, wq, wk, wv, wo, wg, wu, wd):
+    def block(x, nw, wq, wk, wv, wo, wg, wu, wd):
         q = F.linear(x, wq).view(1, s, hq, dh).transpose(1, 2)
         k = F.linear(x, wk).view(1, s, hk, dh).transpose(1, 2)
         v = F.linear(x, wv).view(1, s, hk, dh).transpose(1, 2)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         h = x + F.linear(a.transpose(1, 2).reshape(1, s, hq * dh), wo)
-        return h + swiglu(h, wg, wu, wd)
+        return h + swiglu(_rms(h, nw) if norm else h, wg, wu, wd)
 
-    dev = [t.to("spyre") for t in (x, *ws)]
+    dev = [t.to("spyre") for t in (x, nw, *ws)]
     cf = torch.compile(block, fullgraph=True, dynamic=False)
     cf(*dev)
     with profile() as prof:
         out = cf(*dev)
-    want = block(*[t.double() for t in (x, *ws)]).to(H)
+    want = block(*[t.double() for t in (x, nw, *ws)]).to(H)
     torch.testing.assert_close(out.cpu(), want, **tolerances(H))
     assert [t.kind for t in prof.transfers if t.kind == "d2d"] == []
     names = [k.name for k in prof.kernels]
-    assert any(n.endswith("_bshd") for n in names) and any(n.endswith("_res") for n in names)
+    tail = "_res_norm_oproj256" if norm else "_res"
+    assert any(n.endswith("_bshd") for n in names) and any(n.endswith(tail) for n in names)
 
 
 def test_eager_sdpa_runs_the_flash_program():

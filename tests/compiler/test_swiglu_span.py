@@ -106,6 +106,46 @@ def test_norm_prologue_plans_compute_the_normed_mlp(b, m, split, tb, keep):
     torch.testing.assert_close(out_op.layout.to_host(bufs["out"]), want.to(H), **tolerances(H))
 
 
+@pytest.mark.parametrize(
+    "b,m,split,tb,tiles",
+    [(1, 3, (1, 1, 2, 4), 1, (3, 64, 64)), (2, 5, (1, 2, 2, 2), 2, (5, 64, 64)),
+     (2, 4, (2, 2, 1, 1), 1, (2, 64, 64)), (1, 6, (1, 2, 1, 4), 1, (1, 128, 32))],
+    ids=str,
+)  # fmt: skip
+def test_output_projection_prologue_plans_compute_the_layer_tail(b, m, split, tb, tiles):
+    """``swiglu_mlp(proj=)`` under every plan shape, in fp32 (a mismatch is a
+    bug, not rounding): k over cores (each core contracts the attention
+    output with its band of ``wo``), the hidden dim split (the cores sharing
+    rows compute the same stream), a batch tile, several row blocks per core
+    (the projection's loop runs again for each), against
+    ``x = res + so * (a @ wo^T)``, ``x + s * mlp(rms_norm(x))``."""
+    from torch_spyre.ops.mlp import rms_norm
+
+    k, n, j, f = 256, 384, 192, torch.float32
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(b, m, j, generator=g)
+    wo = torch.randn(k, j, generator=g) / math.sqrt(j)
+    res = torch.randn(b, m, k, generator=g)
+    nw = 1 + 0.3 * torch.randn(k, generator=g)
+    wg, wu = (torch.randn(n, k, generator=g) / math.sqrt(k) for _ in range(2))
+    wd = torch.randn(k, n, generator=g) / math.sqrt(n)
+    p = kernels.swiglu_mlp(
+        b, m, k, n, k, f, split=split, tiles=tiles, tb=tb, residual=0.5, norm_eps=1e-5,
+        proj=(j, 0.25), tj=64,
+    )  # fmt: skip
+    p.validate()
+    assert p.branches and not any(getattr(s, "operand", None) == "x" for s in p.steps)
+    host = {"a": a, "wo": wo, "res": res, "nw": nw, "wg": wg, "wu": wu, "wd": wd}
+    bufs = {o.name: o.layout.to_device(host[o.name]) for o in p.operands if o.name in host}
+    out_op = p.operand("out")
+    bufs["out"] = torch.zeros(out_op.layout.device_size, dtype=out_op.layout.dtype)
+    execute(p, bufs)
+    x = res.double() + 0.25 * (a.double() @ wo.double().T)
+    want = x + 0.5 * _swiglu(rms_norm(x, nw.double(), 1e-5), *(t.double() for t in (wg, wu, wd)))
+    got = out_op.layout.to_host(bufs["out"]).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_double_buffered_output_overlaps_the_row_blocks_stores():
     """Several row blocks per core (a batch tile of 1 over 16 batch
     elements): the down projection's accumulator double buffered lets each

@@ -210,20 +210,23 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
         # in place, with no copy of the cache)
         assert r["decode_vs_peak_bandwidth_floor"] <= 1.75
         assert r["decode_vs_sustained_bandwidth_floor"] <= 1.03
-    # 1.16x (no re-lay copies, the norms as prologues of the QKV
-    # projections' and the MLP's programs, the residual add in the MLP
-    # program, attention stored token-major, RoPE and the head split as the
-    # projections' epilogue, the projections' stores overlapped, K and V
-    # stored into the cache by that program and attended there in place;
+    # 1.13x, issue 30's bar of 1.15x (no re-lay copies, the norms as
+    # prologues of the QKV projections' and the MLP's programs, the residual
+    # add in the MLP program, attention stored token-major, RoPE and the
+    # head split as the projections' epilogue, the projections' stores
+    # overlapped, K and V stored into the cache by that program and attended
+    # there in place, the output projection as the MLP program's prologue;
     # performance.md).
     # The same in every process: CI once saw 1.411x against 1.40x, where an
     # earlier compile in the process had changed how Inductor lowered the next
     # graph (compiler/implicit_fallbacks.py)
-    assert r["prefill_vs_compute_floor"] <= 1.16
+    assert r["prefill_vs_compute_floor"] <= 1.15
+    assert d["prefill_s"] == pytest.approx(0.1911404590627148, rel=1e-9)
     # each kernel at its floor as calibrated (operands once at the sustained
-    # bandwidth) sums to 1.10x: issue 30's 1.15x is within this split into
-    # kernels, not yet met by its plans; no kernel beats its floor
-    assert 1.09 < r["prefill_kernel_floors_vs_compute_floor"] < 1.10
+    # bandwidth) sums to 1.06x (1.10x with the output projection a kernel of
+    # its own: its operands and the stream it stored were compulsory traffic
+    # of their own); no kernel beats its floor
+    assert 1.06 < r["prefill_kernel_floors_vs_compute_floor"] < 1.07
     for phase in ("prefill", "decode"):
         for part in d[phase]:
             for k in part["plans"]:
@@ -233,6 +236,9 @@ def test_granite_8b_estimate_cli(tmp_path, capsys):
     (layer,) = [p for p in d["prefill"] if p["name"].startswith("decoder layer")]
     (mlp,) = [k for k in layer["plans"] if k["name"].startswith("swiglu_mlp_1024x")]
     assert mlp["utilisation"] >= 0.9 and "k over cores" in mlp["plan"]
+    # a prefill layer is 3 programs: norm + QKV + RoPE + cache stores, flash
+    # attention, and the rest (output projection, residual, norm, MLP, residual)
+    assert len(layer["plans"]) == 3 and mlp["name"].endswith("_res_norm_oproj4096")
     assert len(layer["plans"]) == len(layer["kernels"])
     assert "swiglu_mlp_1024x4096x12800x4096_res_norm" in text and "x roof" in text
     # the host path: device bound with the default (assumed) host costs; IBM's

@@ -100,13 +100,16 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 # paged-attention program per group of requests; attention.py), the MLP (the
 # graph's merged gate/up + SiluAndMul + down projection + residual matched as
 # one spyre::swiglu_mlp_add program, or spyre::swiglu_mlp_norm_add with the
-# RMS norm before it, compiler/mlp_fusion.py), the gather of the
+# RMS norm before it, or spyre::proj_swiglu_mlp_norm_add with the output
+# projection and its residual add too where the cost model says it pays,
+# compiler/mlp_fusion.py), the gather of the
 # sampled rows and their zero padding for the compiled LM head.
 OPAQUE_KERNELS = {
     "paged_attention",
     "kv_cache_write",
     "swiglu_mlp_add",
     "swiglu_mlp_norm_add",
+    "proj_swiglu_mlp_norm_add",
     *("index_copy", "index_select", "index", "cat", "zero_", "fill_", "copy_", "_to_copy"),
 }
 

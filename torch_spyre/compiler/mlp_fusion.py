@@ -356,3 +356,99 @@ def fuse_swiglu_norm(gm: torch.fx.GraphModule) -> bool:
     if changed:
         gm.graph.eliminate_dead_code()
     return changed
+
+
+def fuse_proj_swiglu(gm: torch.fx.GraphModule) -> bool:
+    """``swiglu_mlp_norm_add(res + (a @ wo.T) * so, ...)`` (a decoder layer's
+    second half from its attention output: the output projection, its
+    residual add, then the norm, MLP and residual add) ->
+    ``spyre::proj_swiglu_mlp_norm_add(a, wo, res, so, ...)``, one program
+    whose residual stream stays in LX, where the cost model says it is
+    faster than the projection and the MLP apart (``kernels.swiglu.
+    proj_pays``: prefill yes, a decode step no)."""
+    from torch_spyre.kernels import options
+    from torch_spyre.kernels.swiglu import proj_pays
+    from torch_spyre.ops import mlp  # noqa: F401  (registers the op)
+    from torch_spyre.runtime import cards
+
+    if not options.current().fuse:
+        return False
+    changed = False
+    for node in list(gm.graph.nodes):
+        if not (
+            node.op == "call_function"
+            and node.target is torch.ops.spyre.swiglu_mlp_norm_add.default
+        ):
+            continue
+        x, nw, eps, wg, wu, wd, scale = node.args
+        seen: list = []
+        s = _through_views(x, seen)
+        if not _is(s, "add") or len(s.args) != 2 or s.kwargs:
+            continue
+        found = None
+        for res, other in (s.args, s.args[::-1]):
+            inner: list = []
+            so = 1.0
+            if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
+                c = [v for v in other.args if isinstance(v, (int, float))]
+                t = [v for v in other.args if isinstance(v, torch.fx.Node)]
+                if len(c) != 1 or len(t) != 1:
+                    continue
+                inner.append(other)
+                so, other = float(c[0]), t[0]
+            lin = _linear_of(other, inner) if isinstance(res, torch.fx.Node) else None
+            if lin is not None:
+                found = (res, so, lin, inner)
+                break
+        if found is None:
+            continue
+        res, so, (a, wo), inner = found
+        rv, av, wv, ov = (v.meta.get("val") for v in (res, a, wo, node))
+        if not all(isinstance(v, torch.Tensor) for v in (rv, av, wv, ov)):
+            continue
+        kk, jj = wv.shape if wv.dim() == 2 else (None, None)
+        if (
+            kk is None
+            or av.dim() != 2
+            or av.shape[-1] != jj
+            or rv.numel() != av.shape[0] * kk
+            or ov.numel() != rv.numel()
+            or not (rv.dtype == av.dtype == wv.dtype == ov.dtype)
+        ):
+            continue
+        # the stream and the nodes computing it must feed only this MLP
+        chain = [s, *seen, *inner]
+        if any(u not in chain and u is not node for c in chain for u in c.users):
+            continue
+        rows = rv.shape[:-1] if rv.dim() == 3 else (1, av.shape[0])
+        b, m = int(rows[0]), int(rows[1])
+        if b * m != av.shape[0]:
+            continue
+        nv = wg.meta.get("val") if isinstance(wg, torch.fx.Node) else None
+        if not isinstance(nv, torch.Tensor):
+            continue
+        cfg = cards.config(rv.device.index or 0)
+        if not proj_pays(b, m, kk, nv.shape[0], jj, rv.dtype, so, float(eps), float(scale), cfg):
+            continue
+        with gm.graph.inserting_before(node):
+            a3 = gm.graph.call_function(torch.ops.aten.reshape.default, (a, [b, m, jj]))
+            r3 = gm.graph.call_function(torch.ops.aten.reshape.default, (res, [b, m, kk]))
+            new = gm.graph.call_function(
+                torch.ops.spyre.proj_swiglu_mlp_norm_add.default,
+                (a3, wo, r3, so, nw, eps, wg, wu, wd, scale),
+            )
+            flat = gm.graph.call_function(torch.ops.aten.reshape.default, (new, list(ov.shape)))
+        a3.meta["val"] = av.reshape(b, m, jj)
+        r3.meta["val"] = rv.reshape(b, m, kk)
+        val = torch.ops.spyre.proj_swiglu_mlp_norm_add.default(
+            a3.meta["val"], wv, r3.meta["val"], so, _val(nw), eps,
+            _val(wg), _val(wu), _val(wd), scale,
+        )  # fmt: skip
+        new.meta["val"] = val
+        flat.meta["val"] = val.reshape(ov.shape)
+        node.replace_all_uses_with(flat)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+    return changed

@@ -52,7 +52,12 @@ from torch_spyre.compiler.conv_routes import ROUTES as _CONV_ROUTES
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
 from torch_spyre.compiler.infinities import may_be_infinite
-from torch_spyre.compiler.mlp_fusion import fuse_swiglu, fuse_swiglu_norm, fuse_swiglu_residual
+from torch_spyre.compiler.mlp_fusion import (
+    fuse_proj_swiglu,
+    fuse_swiglu,
+    fuse_swiglu_norm,
+    fuse_swiglu_residual,
+)
 from torch_spyre.compiler.pool_routes import ROUTES as _POOL_ROUTES
 from torch_spyre.compiler.projection_fusion import fuse_norm_projections
 from torch_spyre.compiler.storage_views import view_of_computed
@@ -718,6 +723,7 @@ SUB_PASSES: tuple[checked_passes.SubPass, ...] = (
     ("swiglu", fuse_swiglu),
     ("swiglu residual", fuse_swiglu_residual),
     ("swiglu norm", fuse_swiglu_norm),
+    ("proj swiglu", fuse_proj_swiglu),
     ("norm projections", fuse_norm_projections),
     ("attention transpose", _fuse_attention_transpose),
     ("index_put in place", _index_put_in_place),

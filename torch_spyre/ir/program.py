@@ -9,8 +9,11 @@ card validates, executes and times it.  The model:
 * **operands**: device tensors (inputs / outputs) with their stick layouts;
 * **LX buffers**: named scratchpad tensors indexed by iteration dims, single
   or double buffered; their size per core follows from the tiles;
-* **steps**, in program order, each nested in a prefix ``loops`` of the tile
-  loop order: stick-granular ``Load``/``Store`` between an operand and a
+* **steps**, in program order, each nested in ``loops``, dims of the tile
+  loop order in that order (usually a prefix of it; consecutive steps share
+  their common outer loops, and a step whose loops leave a deeper loop of
+  the step before closes it: a prologue may contract its own dim in a loop
+  that runs before the main loops, inside the same outer loops): stick-granular ``Load``/``Store`` between an operand and a
   buffer (``index`` names the iteration dim of each host dim), PE-array
   ``Matmul``, vector-unit ``Vector`` (elementwise, by op name) and
   ``Reduce`` (along one dim), and ``RingAllReduce`` across the cores that
@@ -98,7 +101,7 @@ class Program(ProgramChecks, ProgramText):
     operands: tuple[Operand, ...]
     buffers: tuple[Buffer, ...]
     steps: tuple[Step, ...]
-    #: tile loops, outer to inner; each step's ``loops`` is a prefix of it
+    #: tile loops, outer to inner; each step's ``loops`` is a subsequence of it
     loop_order: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -129,6 +132,19 @@ class Program(ProgramChecks, ProgramText):
     @property
     def cores_used(self) -> int:
         return math.prod(d.cores for d in self.dims)
+
+    def nests_in_order(self, loops: tuple[str, ...]) -> bool:
+        """Whether ``loops`` is an ordered subsequence of ``loop_order``."""
+        it = iter(self.loop_order)
+        return all(d in it for d in loops)
+
+    @property
+    def branches(self) -> bool:
+        """Whether some step's loops are not a prefix of ``loop_order``: the
+        nest has sibling loops over different dims (a prologue's own
+        contraction loop before the main loops), which run one after the
+        other inside their common loops."""
+        return any(tuple(s.loops) != self.loop_order[: len(s.loops)] for s in self.steps)
 
     def step_extent(self, step: Step, dim: str) -> int:
         """Elements of ``dim`` one instance of ``step`` sees on the fullest core."""

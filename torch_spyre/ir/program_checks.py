@@ -75,9 +75,9 @@ class ProgramChecks:
         written: set[str] = set()
         for i, s in enumerate(self.steps):
             at = f"{where}, step {i} ({s.kind})"
-            if tuple(s.loops) != tuple(self.loop_order[: len(s.loops)]):
+            if not self.nests_in_order(s.loops):
                 raise ProgramError(
-                    f"{at}: loops {list(s.loops)} are not a prefix of {list(self.loop_order)}"
+                    f"{at}: loops {list(s.loops)} are not in the order of {list(self.loop_order)}"
                 )
             for r in step_reads(s):
                 if r not in buffer_names:

@@ -56,19 +56,23 @@ class ProgramText:
                 f" = {_fmt_bytes(usage[b.name])}"
             )
         out.append(f"  lx total {_fmt_bytes(sum(usage.values()))} per core")
-        open_loops = 0
+        opened: tuple[str, ...] = ()
         for s in self.steps:
-            while open_loops > len(s.loops):
-                open_loops -= 1
-                out.append("  " + "  " * open_loops + "end")
-            while open_loops < len(s.loops):
-                d = self.dim(self.loop_order[open_loops])
-                out.append("  " + "  " * open_loops + f"for {d.name} in tiles of {d.tile_size}:")
-                open_loops += 1
-            out.append("  " + "  " * open_loops + "  " + _step_text(s))
-        while open_loops:
-            open_loops -= 1
-            out.append("  " + "  " * open_loops + "end")
+            loops = tuple(s.loops)
+            keep = 0
+            while keep < min(len(opened), len(loops)) and opened[keep] == loops[keep]:
+                keep += 1
+            while len(opened) > keep:
+                opened = opened[:-1]
+                out.append("  " + "  " * len(opened) + "end")
+            while len(opened) < len(loops):
+                d = self.dim(loops[len(opened)])
+                out.append("  " + "  " * len(opened) + f"for {d.name} in tiles of {d.tile_size}:")
+                opened += (d.name,)
+            out.append("  " + "  " * len(opened) + "  " + _step_text(s))
+        while opened:
+            opened = opened[:-1]
+            out.append("  " + "  " * len(opened) + "end")
         return "\n".join(out)
 
     def __str__(self) -> str:

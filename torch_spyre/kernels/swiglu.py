@@ -46,6 +46,8 @@ def swiglu_mlp(
     norm_eps: float | None = None,
     keep_stream: bool = False,
     double_out: bool = False,
+    proj: tuple[int, float] | None = None,
+    tj: int = 64,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
 
@@ -95,6 +97,20 @@ def swiglu_mlp(
     for the residual add instead of being read again (one transfer fewer
     on every core's critical path, a row block of LX more).
 
+    ``proj=(j, so[, flat])`` (with ``norm_eps``, batched): the attention's output
+    projection and its residual add are the prologue too, so the program is
+    a decoder layer's whole second half: ``x = res + so * (a @ wo^T)``,
+    ``out = x + s * mlp(rms_norm(x) * nw)``, operands ``a`` [b, m, j] (the
+    attention output, token-major; ``flat``: [m, j] with b == 1, the bytes
+    of a 2-D attention output), ``wo`` [k, j] and ``res`` [b, m, k]
+    instead of ``x``.  Each core contracts its row block's ``a`` with its k
+    band of ``wo`` over ``j`` in tiles of ``tj`` (a loop of its own before
+    the main loops: ``Program.branches``), into the fp32 accumulator the
+    down projection later uses (``y``); the residual stream ``x`` then
+    lives only in LX (``keep_stream``), never in device memory.  ``a`` is
+    shared by the cores splitting n and k, ``wo``'s band by those splitting
+    b, m and n (multicast).
+
     ``residual=s`` (with a down projection): ``out = res + s * mlp`` — the
     residual add of a decoder layer as the epilogue of the down projection
     (operand ``res``, shaped like ``out``, loaded per row block next to the
@@ -109,6 +125,12 @@ def swiglu_mlp(
     down = e is not None
     if norm_eps is not None and (residual is None or e != k):
         raise ProgramError("swiglu_mlp: a norm prologue needs the residual add and E == K")
+    flat = proj is not None and len(proj) > 2 and bool(proj[2])
+    if proj is not None and (norm_eps is None or not batched or (flat and b != 1)):
+        raise ProgramError(
+            "swiglu_mlp: an output projection prologue needs the norm, batched (b == 1 for "
+            "a [rows, j] attention output)"
+        )
     if pk > 1 and e != k:
         # the k band of the output exists only when the output columns are k
         raise ProgramError("swiglu_mlp: a k split needs the down projection with E == K")
@@ -120,6 +142,8 @@ def swiglu_mlp(
     ]
     if down and e != k:
         dims.append(Dim("e", e, 1))
+    if proj is not None:
+        dims.append(Dim("j", proj[0], 1, min(tj, proj[0])))
     l2, l3, l4 = ("b", "m"), ("b", "m", "n"), ("b", "m", "n", "k")
     xi = ("b", "m", "k") if batched else ("m", "k")
     xb = ("b", "m", "k")
@@ -129,9 +153,14 @@ def swiglu_mlp(
     # merged: the up rows start n rows into the one gate/up operand
     wg_op, wu_op = ("wgu", "wgu") if merged else ("wg", "wu")
     wg_at, wu_at = ((0, 0), (n, 0)) if merged else ((), ())
-    keep = keep_stream and norm_eps is not None and batched
+    # with the output projection the stream exists only in LX: kept there
+    keep = (keep_stream or proj is not None) and norm_eps is not None and batched
     steps: list = [
-        Load("st" if keep else "xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1),
+        *(
+            [Load("st" if keep else "xt", "x", xi if batched else ("m", "k"), l2, multicast=pn > 1)]
+            if proj is None
+            else proj_prologue(proj[1], pb * pm * pn > 1, pn * pk > 1, pn > 1)
+        ),
         *norm_prologue(norm_eps, k, pk > 1, l2, "st" if keep else "xt"),
         Load("wgt", wg_op, ("n", "k"), l4, multicast=w_mc, offsets=wg_at),
         Load("wut", wu_op, ("n", "k"), l4, multicast=w_mc, offsets=wu_at),
@@ -151,7 +180,8 @@ def swiglu_mlp(
     blocks = tm < em or tb < ceil_div(b, pb)
     buffers = [
         # one activation block per core is loaded once: no second copy
-        Buffer("xt", x_dims, dtype, db and blocks),
+        # (with the output projection nothing loads it: the norm writes it)
+        Buffer("xt", x_dims, dtype, db and blocks and proj is None),
         Buffer("wgt", ("n", "k"), dtype, db),
         Buffer("wut", ("n", "k"), dtype, db),
         Buffer("g", hi if batched else ("m", "n"), acc),
@@ -220,7 +250,15 @@ def swiglu_mlp(
     if not batched and b != 1:
         raise ProgramError("swiglu_mlp: an unbatched x needs b == 1")
     operands = [
-        Operand("x", SpyreTensorLayout.default(xs, dtype), "input"),
+        *(
+            [Operand("x", SpyreTensorLayout.default(xs, dtype), "input")]
+            if proj is None
+            else [
+                Operand("a", _attention_output(b, m, proj[0], dtype, flat), "input"),
+                Operand("wo", SpyreTensorLayout.default((k, proj[0]), dtype), "input"),
+                Operand("res", SpyreTensorLayout.default(xs, dtype), "input"),
+            ]
+        ),
         *(
             [Operand("wgu", SpyreTensorLayout.default((2 * n, k), dtype), "input")]
             if merged
@@ -237,6 +275,11 @@ def swiglu_mlp(
         buffers += [Buffer("rs", rows, acc), Buffer("nwt", ("k",), dtype)]
         if keep:
             buffers.append(Buffer("st", xb, dtype, db and blocks))
+        if proj is not None:
+            buffers += [
+                Buffer("at", ("b", "m", "j"), dtype, db),
+                Buffer("wot", ("k", "j"), dtype, db),
+            ]
     elif residual is not None:
         operands.append(Operand("res", SpyreTensorLayout.default(outs, dtype), "input"))
     operands.append(Operand("out", SpyreTensorLayout.default(outs, dtype), "output"))
@@ -249,19 +292,48 @@ def swiglu_mlp(
         ]
         order = loops
     else:
-        order = l4
+        order = ("b", "m", "j", "n", "k") if proj is not None else l4
     return Program(
         name=name
         or f"swiglu_mlp_{b * m}x{k}x{n}"
         + (f"x{e}" if down else "")
         + ("_res" if residual is not None else "")
-        + ("_norm" if norm_eps is not None else ""),
+        + ("_norm" if norm_eps is not None else "")
+        + (f"_oproj{proj[0]}" if proj is not None else ""),
         dims=tuple(dims),
         operands=tuple(operands),
         buffers=tuple(buffers),
         steps=tuple(steps),
         loop_order=order,
     )
+
+
+def _attention_output(b: int, m: int, j: int, dtype: torch.dtype, flat: bool) -> SpyreTensorLayout:
+    """The layout of the output projection's input ``a`` [b, m, j]: the default
+    one, or (``flat``, b == 1) the bytes of a default [m, j] tensor (vLLM's
+    [T, H * D]: column sticks outermost) under the host shape [1, m, j]."""
+    if not flat:
+        return SpyreTensorLayout.default((b, m, j), dtype)
+    two = SpyreTensorLayout.default((m, j), dtype)
+    return SpyreTensorLayout((1, m, j), two.device_size, tuple(d + 1 for d in two.dim_map), dtype)
+
+
+def proj_prologue(so: float, wo_shared: bool, a_shared: bool, res_shared: bool) -> list:
+    """The output projection and residual add before a decoder layer's MLP
+    (``swiglu_mlp(proj=)``): ``y = a @ wo^T`` over the ``j`` tiles (its
+    own loop), then the stream ``st = res + so * y`` rounded to the dtype
+    (one rounding, as the fused epilogue of a matmul); ``res`` is loaded into
+    ``st`` and the stream replaces it there."""
+    lj = ("b", "m", "j")
+    l2 = ("b", "m")
+    return [
+        Load("at", "a", ("b", "m", "j"), lj, multicast=a_shared),
+        Load("wot", "wo", ("k", "j"), lj, multicast=wo_shared),
+        Matmul("y", "at", "wot", lj),
+        Load("st", "res", ("b", "m", "k"), l2, multicast=res_shared),
+        Vector("mul_scalar", "y", ("y",), (float(so),), l2),
+        Vector("add", "st", ("y", "st"), (), l2),
+    ]
 
 
 def norm_prologue(
@@ -300,6 +372,7 @@ def best_swiglu_mlp(
     name: str | None = None,
     merged: bool = False,
     norm_eps: float | None = None,
+    proj: tuple[int, float] | None = None,
 ) -> Program:
     """The fused SwiGLU MLP program the timing model finds fastest: core
     splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)
@@ -314,26 +387,72 @@ def best_swiglu_mlp(
     cfg = config or HardwareConfig()
 
     def build(c: tuple) -> Program:
-        (pb, pm, pn, pk), (tb, tm, tn, tk), keep = c
+        (pb, pm, pn, pk), (tb, tm, tn, tk), keep, tj = c
 
         def program(double_out: bool) -> Program:
             return swiglu_mlp(
                 b, m, k, n, e, dtype, split=(pb, pm, pn, pk), tiles=(tm, tn, tk),
                 batched=batched, residual=residual, config=cfg, name=name, tb=tb,
                 merged=merged, norm_eps=norm_eps, keep_stream=keep, double_out=double_out,
+                proj=proj, tj=tj,
             )  # fmt: skip
 
         return double_if_it_fits(program, cfg)
 
     # with a norm prologue: the residual stream kept in LX, or read again
-    keeps = (False, True) if norm_eps is not None and batched else (False,)
+    # (with the output projection it is only ever in LX)
+    keeps = (False, True) if norm_eps is not None and batched and proj is None else (True,)
+    # the output projection's contraction tiles
+    tjs = (64, 128, 256) if proj is not None else (64,)
     found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     # a k split needs the output columns to be k
     plans = row_block_plans(
         b, m, k, n, cfg.cores, stick_elems(dtype), batched=batched, k_split=e == k
     )
     for split, tiles in plans:
-        found.run((split, t, keep) for t in tiles for keep in keeps)
+        found.run((split, t, keep, tj) for t in tiles for keep in keeps for tj in tjs)
     if found.best is None:
         raise ProgramError(f"fused SwiGLU MLP {b * m}x{k}x{n}: no plan fits the card")
     return found.best.result
+
+
+@persisted("swiglu_proj")
+def proj_pays(
+    b: int,
+    m: int,
+    k: int,
+    n: int,
+    j: int,
+    dtype: torch.dtype,
+    so: float,
+    eps: float,
+    scale: float,
+    config: HardwareConfig | None = None,
+) -> bool:
+    """Whether the MLP program with the output projection as its prologue
+    (``swiglu_mlp(proj=)``) is modelled faster than the two kernels it
+    replaces: the projection with its residual add as a matmul of its own
+    (planned as compiled alone, ``kernels.eager.matmul``) and the MLP from
+    the stream it stores.  In prefill it is (the stream's store and reload
+    go, and the projection's weight streams under one launch); in a decode
+    step the MLP's split (hidden units over cores) makes the prologue
+    slower than the projection's own plan, and the kernels stay apart."""
+    from torch_spyre.kernels.eager import matmul
+    from torch_spyre.sim import estimate
+
+    cfg = config or HardwareConfig()
+    try:
+        fused = best_swiglu_mlp(
+            b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps, proj=(j, so)
+        )
+    except ProgramError:
+        return False
+    mlp = best_swiglu_mlp(b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps)
+    rows = b * m
+    oproj = matmul(
+        (rows, j), ("m0", "k"), (k, j), ("n", "k"), (rows, k), ("m0", "n"),
+        {"m0": rows, "n": k, "k": j}, dtype, bias=((rows, k), ("m0", "n")), alpha=so,
+        config=cfg,
+    )  # fmt: skip
+    apart = estimate(mlp, cfg).time_s + estimate(oproj, cfg).time_s
+    return estimate(fused, cfg).time_s < apart

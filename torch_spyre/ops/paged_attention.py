@@ -101,14 +101,7 @@ def _device(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks, 
     # whole [T, H, D] or [T, H * D] tensor when D is whole sticks (checked once
     # per shape); such a query and output are used in place.
     def in_place(x: torch.Tensor) -> torch.Tensor | None:
-        base = operands.base_of(x)
-        if base is None:
-            return None
-        known = kern.info.setdefault("same_bytes", {})
-        shape = tuple(base.shape)
-        if shape not in known:
-            known[shape] = _same_bytes(shape, (t, kvh, g, d), x.dtype)
-        return base if known[shape] else None
+        return operands.in_shape(x, (t, kvh, g, d))
 
     direct = in_place(out)
     # otherwise a copy: rows this call does not write keep their values
@@ -217,15 +210,6 @@ def _device_write(kv_cache, key, value, slots) -> bool:
     )
     dispatch_stats.record("kernel", "kv_cache_write")
     return True
-
-
-def _same_bytes(a: tuple[int, ...], b: tuple[int, ...], dtype: torch.dtype) -> bool:
-    """Whether two shapes of the same elements have the same device bytes."""
-    la, lb = SpyreTensorLayout.default(a, dtype), SpyreTensorLayout.default(b, dtype)
-    if la.device_numel != lb.device_numel:
-        return False
-    i = torch.arange(la.numel, dtype=torch.int64)
-    return torch.equal(la.device_offsets(i), lb.device_offsets(i))
 
 
 def _separate_kernels(out, query, kv_cache, q_rows, kv_rows, mask, scale, softcap, sinks):

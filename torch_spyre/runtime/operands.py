@@ -11,6 +11,8 @@ modelled as a device-to-device DMA of its sticks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_spyre import _C
@@ -67,6 +69,28 @@ def base_of(t: torch.Tensor) -> torch.Tensor | None:
     if lay.host_size == tuple(t.shape):
         return t
     return t.view(lay.host_size)
+
+
+@functools.lru_cache(maxsize=256)
+def same_bytes(a: tuple[int, ...], b: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether two shapes of the same elements have the same device bytes in
+    their default layouts (a token-major [T, H, D] and [T, H * D] when D is
+    whole sticks)."""
+    la, lb = SpyreTensorLayout.default(a, dtype), SpyreTensorLayout.default(b, dtype)
+    if la.numel != lb.numel or la.device_numel != lb.device_numel:
+        return False
+    i = torch.arange(la.numel, dtype=torch.int64)
+    return torch.equal(la.device_offsets(i), lb.device_offsets(i))
+
+
+def in_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """The whole base of ``t`` when its device bytes are those of a whole
+    default-layout tensor of ``shape`` (so a program declaring that operand
+    reads it in place); None otherwise."""
+    base = base_of(t)
+    if base is None or not same_bytes(tuple(base.shape), tuple(shape), t.dtype):
+        return None
+    return base
 
 
 def relaid(t: torch.Tensor) -> torch.Tensor:

@@ -180,19 +180,28 @@ class _Steps:
         grid = p.grid
         self.causal = [d for d in p.dims if d.causal_to is not None]
         self.shared_pages = _shared_page_loads(p)
-        depth = len(p.loop_order)
-        # the innermost loop body is a pipeline if its transfers are double
-        # buffered; a transfer of a single-buffered buffer stalls it (serial)
-        self.pipelined = depth > 0 and all(
-            p.buffer(s.buffer).double_buffered
-            for s in p.steps
-            if isinstance(s, Load | Store) and len(s.loops) == depth
-        )
+        #: sibling loops (``Program.branches``): each branch is a pipeline
+        #: of its own, run after the one before (``_phases``); otherwise one
+        #: phase, the whole nest
+        self.phase, self.phase_loops = _phases(p)
+        # the innermost loop body of a phase is a pipeline if its transfers
+        # are double buffered; a transfer of a single-buffered buffer stalls
+        # it (serial)
+        piped = {
+            ph: len(loops) > 0
+            and all(
+                p.buffer(s.buffer).double_buffered
+                for s, sp in zip(p.steps, self.phase)
+                if sp == ph and isinstance(s, Load | Store) and len(s.loops) == len(loops)
+            )
+            for ph, loops in self.phase_loops.items()
+        }
+        self.pipelined = all(piped.values())
         self.info: list[tuple] = []
         self.overlaps: list[bool] = []
-        for s in p.steps:
+        for s, ph in zip(p.steps, self.phase):
             self.overlaps.append(
-                self.pipelined
+                piped.get(ph, False)
                 and bool(s.loops)
                 and (not isinstance(s, Load | Store) or p.buffer(s.buffer).double_buffered)
             )
@@ -257,6 +266,40 @@ class _Steps:
                 )
             else:
                 self.info.append(())
+
+
+def _phases(p: Program) -> tuple[list[int], dict[int, tuple[str, ...]]]:
+    """Each step's phase and each phase's loop nest (its deepest loops).
+
+    A program whose steps' loops are prefixes of its loop order is one
+    phase (0), its nest the whole loop order: its looped steps form one
+    pipeline.  With sibling loops (``Program.branches``: a prologue
+    contracting its own dim before the main loops), the looped steps below
+    the loops they all share are grouped by the first loop they do not
+    share, one phase per sibling (1, 2, ...), each a pipeline of its own;
+    those inside only the shared loops are phase 0.  Phases run one after
+    another: a memory-bound prologue is not hidden under a compute-bound
+    main loop (its transfers cannot run ahead into LX the main loop's tiles
+    have not freed), so their times add."""
+    if not p.branches:
+        return [0] * len(p.steps), {0: tuple(p.loop_order)}
+    looped = [tuple(s.loops) for s in p.steps if s.loops]
+    shared = 0
+    while all(len(x) > shared and x[shared] == looped[0][shared] for x in looped):
+        shared += 1
+    firsts: dict[str, int] = {}
+    phase: list[int] = []
+    nests: dict[int, tuple[str, ...]] = {0: looped[0][:shared]}
+    for s in p.steps:
+        loops = tuple(s.loops)
+        if len(loops) <= shared:
+            phase.append(0)
+            continue
+        ph = firsts.setdefault(loops[shared], len(firsts) + 1)
+        phase.append(ph)
+        if len(loops) > len(nests.get(ph, ())):
+            nests[ph] = loops
+    return phase, nests
 
 
 def _ceil_by(q: int):
@@ -497,7 +540,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
         cv = views[k]
         moved = transfers[k]
         dram0, ring0 = dram_bytes, ring_bytes
-        loop_b = dict.fromkeys(UNITS, 0.0)
+        phase_b = {ph: dict.fromkeys(UNITS, 0.0) for ph in st.phase_loops}
         serial = 0.0
         for i, s in enumerate(p.steps):
             cost = _step_cost(cv, s, cfg, mem_cycles_per_byte[c], st.info[i], moved[i])
@@ -512,7 +555,7 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
                     cost.dram_bytes * frac,
                     cost.ring_bytes * frac,
                 )
-            into = loop_b if st.overlaps[i] else None
+            into = phase_b[st.phase[i]] if st.overlaps[i] else None
             for unit, cyc in cost.cycles.items():
                 busy[unit][c] += cyc
                 if into is not None:
@@ -522,13 +565,18 @@ def _estimate(program: Program, cfg: HardwareConfig) -> KernelReport:
             overhead[c] += cost.setup
             dram_bytes += cost.dram_bytes
             ring_bytes += cost.ring_bytes
-        n_iter = max(1, cv.instances(p.loop_order)) if p.loop_order else 1
-        n_iter = max(1, round(n_iter * _causal_fraction(cv, p.loop_order, st.causal)))
-        if c == 0:
-            n_iter_inner = n_iter
-        total_b = sum(loop_b.values())
-        peak = max(loop_b.values())
-        core_cycles[c] = serial + peak + (total_b - peak) / n_iter
+        core_cycles[c] = serial
+        for ph, loops in st.phase_loops.items():
+            # a pipeline of ``n_iter`` iterations: its busiest unit's cycles,
+            # plus the others' share of one iteration (fill and drain)
+            n_iter = max(1, cv.instances(loops)) if loops else 1
+            n_iter = max(1, round(n_iter * _causal_fraction(cv, loops, st.causal)))
+            if c == 0 and ph == max(st.phase_loops):
+                n_iter_inner = n_iter
+            loop_b = phase_b[ph]
+            total_b = sum(loop_b.values())
+            peak = max(loop_b.values())
+            core_cycles[c] += peak + (total_b - peak) / n_iter
         per_sig[sig] = (
             {u: busy[u][c] for u in UNITS},
             overhead[c],
