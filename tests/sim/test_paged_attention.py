@@ -14,7 +14,7 @@ from torch_spyre.ir import Load, Program, ProgramError
 from torch_spyre.kernels.flash import PagedKV, best_flash_attention, flash_attention
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import dispatch_stats
-from torch_spyre.sim import estimate, execute, timing
+from torch_spyre.sim import estimate, execute, step_costs
 
 
 def _batch(d: int, seed: int = 0):
@@ -111,7 +111,7 @@ def test_paged_program_timing_reads_the_pages_once():
     assert floor < rep.time_s < 1.15 * floor
     # the value load shares the key load's descriptors ...
     v = next(i for i, st in enumerate(p.steps) if isinstance(st, Load) and st.buffer == "vt")
-    assert timing._shared_page_loads(p) == {v}
+    assert step_costs._shared_page_loads(p) == {v}
     # ... and a descriptor per slot instead of per page would cost far more
     per_slot = replace(
         p,

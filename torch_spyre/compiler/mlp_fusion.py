@@ -403,6 +403,9 @@ def fuse_proj_swiglu(gm: torch.fx.GraphModule) -> bool:
         if found is None:
             continue
         res, so, (a, wo), inner = found
+        # a weight of the model (not computed: an 8-bit weight's dequantisation)
+        if wo.op not in ("placeholder", "get_attr") or _from_8bit(wo):
+            continue
         rv, av, wv, ov = (v.meta.get("val") for v in (res, a, wo, node))
         if not all(isinstance(v, torch.Tensor) for v in (rv, av, wv, ov)):
             continue
