@@ -284,6 +284,84 @@ def test_an_attention_blocks_rope_and_head_split_are_the_projections_epilogue(dt
     torch.testing.assert_close(out.cpu(), _attention(*args), **tol)
 
 
+def _vllm_head(x, res, nw, wqkv, cos_t, sin_t, pos):
+    """vLLM's attention block head as our plugin runs it (token-major rows
+    [t, k]): the fused residual add and RMS norm (``SpyreRMSNorm``), one
+    merged QKV projection split into Q, K and V, and ``SpyreRotary``'s
+    rotation of Q and K by cos/sin rows gathered by position."""
+    hd = cos_t.shape[-1]
+    s = x + res
+    h = rms_norm(s, nw, 1e-5)
+    nq = wqkv.shape[0] // 2  # Q: half the rows (K and V a quarter each)
+    q, k, v = F.linear(h, wqkv).split([nq, nq // 2, nq // 2], dim=-1)
+    cos = F.embedding(pos, cos_t)[:, None, :]
+    sin = F.embedding(pos, sin_t)[:, None, :]
+
+    def rotate(t):
+        shape = t.shape
+        t = t.view(t.shape[0], -1, hd)
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2 :]
+        return (t * cos + torch.cat([-t2, t1], dim=-1) * sin).reshape(shape)
+
+    return rotate(q), rotate(k), v, s
+
+
+def test_the_row_blocks_of_one_weight_are_read_in_place():
+    """The op given three consecutive row slices of one weight (vLLM's
+    ``qkv_proj`` split apart) binds the weight once and reads each block
+    through row offsets: no re-lay of a slice, one operand ``w``; fp32
+    equal to the CPU to the summation order."""
+    s, nw, w = _args((96,), 256, (512,), torch.float32)
+    ws_host = list(w.split((256, 128, 128), 0))
+    want = torch.ops.spyre.norm_projections(s, nw, 1e-5, ws_host)
+    dev = [a.to("spyre") for a in (s, nw, w)]
+    dispatch_stats.reset("kernel")
+    with profile() as prof:
+        out = torch.ops.spyre.norm_projections(
+            dev[0], dev[1], 1e-5, list(dev[2].split((256, 128, 128), 0))
+        )
+    assert dispatch_stats.counts("kernel") == {"norm_projections": 1}
+    assert [t.kind for t in prof.transfers if t.kind == "d2d"] == []
+    from torch_spyre.runtime import launch
+
+    (prog,) = {
+        k.program
+        for k in launch._cache.values()
+        if k.program and k.program.name == prof.kernels[0].name
+    }
+    assert {o.name for o in prog.operands if o.name.startswith("w")} == {"w"}
+    for got, ref in zip(out, want):
+        torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [H, torch.float32], ids=str)
+def test_vllms_merged_qkv_and_rotary_are_the_projections_program(dtype):
+    """vLLM's form (rows, one merged ``qkv_proj`` split apart, the rotary
+    over position-gathered rows) reaches the same program as transformers':
+    the norm, Q, K and V read as row blocks of the one weight in place (no
+    copy of it), Q and K rotated in the epilogue and stored token-major; the
+    add (the residual stream, an output) and the two table gathers are the
+    only other kernels (the split's copies, the rotation's programs gone).
+    Equal to the CPU (fp32: to the summation order)."""
+    t, k, hd = 96, 256, 128
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(t, k, generator=g).to(dtype) for _ in range(2))
+    nw = (1 + 0.2 * torch.randn(k, generator=g)).to(dtype)
+    wqkv = (torch.randn(4 * hd, k, generator=g) / math.sqrt(k)).to(dtype)  # 2 + 1 + 1 heads
+    ang = torch.randn(512, hd // 2, generator=g)
+    cos_t, sin_t = (torch.cat((a, a), -1).to(dtype) for a in (ang.cos(), ang.sin()))
+    pos = torch.randperm(512, generator=g)[:t]
+    args = [x, res, nw, wqkv, cos_t, sin_t, pos]
+    with profile() as prof:
+        out, names = _compiled(_vllm_head, args)
+    assert f"projections_{t}x{k}x{2 * hd}_{hd}_{hd}_norm_rope" in names, names
+    assert not any(n.startswith(("mm", "fused_clone", "fused_mm")) for n in names), names
+    assert [x.kind for x in prof.transfers if x.kind == "d2d"] == []
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else tolerances(dtype)
+    for got, want in zip(out, _vllm_head(*args)):
+        torch.testing.assert_close(got.cpu(), want, **tol)
+
+
 @pytest.mark.parametrize(
     "arch,tag", [("Llama", "_norm_rope_bhsd"), ("Qwen3", "_norm_qknorm_rope_bhsd")]
 )

@@ -113,7 +113,8 @@ def test_blocks_sample_passes():
     their near misses), each on the CPU, eagerly and compiled on spyre: every
     output within the oracle's tolerance; and the sample reaches the fused
     programs the motifs are for (a norm + Q/K/V projections program with
-    its RoPE, one storing K and V into their cache, the SwiGLU MLP, the
+    its RoPE, one storing K and V into their cache, vLLM's merged QKV
+    rotated token-major by the same program, the SwiGLU MLP, the
     MLP with the output projection as its prologue, flash attention), so it
     fails if the motifs stop reaching them."""
     from torch_spyre.profiler import profile
@@ -125,6 +126,10 @@ def test_blocks_sample_passes():
     for what, hit in (
         ("norm + projections + RoPE", lambda n: n.startswith("projections_") and "_rope" in n),
         ("projections into a KV cache", lambda n: n.startswith("projections_") and "_cache" in n),
+        (
+            "vLLM's merged QKV rotated token-major",
+            lambda n: n.startswith("projections_") and "_rope" in n and "_bhsd" not in n,
+        ),
         ("SwiGLU MLP", lambda n: n.startswith("swiglu_mlp_")),
         ("output projection + MLP", lambda n: n.startswith("swiglu_mlp_") and "_oproj" in n),
         ("flash attention", lambda n: n.startswith("flash_attn_")),

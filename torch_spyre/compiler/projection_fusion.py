@@ -24,7 +24,8 @@ from torch_spyre.compiler import rope_match
 from torch_spyre.compiler.fx_match import VIEWS
 from torch_spyre.compiler.fx_match import is_op as _is
 from torch_spyre.compiler.fx_match import on_spyre as _on_spyre
-from torch_spyre.compiler.mlp_fusion import _from_8bit
+from torch_spyre.compiler.mlp_fusion import _from_8bit, _row_slice, _slice_span
+from torch_spyre.compiler.mlp_fusion import _val as _weight_val
 from torch_spyre.compiler.norm_match import rms_norm_of
 
 #: fewer rows than this (a decode step's batch) keep their matmuls apart: they
@@ -60,6 +61,45 @@ def _projections_of(
             found.append((u, wt.args[0]))
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(found, key=lambda f: order[f[0]])
+
+
+def _row_pieces(mm: torch.fx.Node) -> list[tuple[torch.fx.Node, int, int]] | None:
+    """(node, lo, hi) of each piece when ``mm``'s output [..., N] is read only
+    as consecutive last-dim pieces covering it (``split_with_sizes`` or
+    slices: vLLM's merged ``qkv_proj`` split into Q, K and V), so that piece
+    ``i`` is the projection by rows ``lo:hi`` of the weight; else None."""
+    mv = mm.meta.get("val")
+    if not isinstance(mv, torch.Tensor) or mv.dim() < 1:
+        return None
+    width, rank = int(mv.shape[-1]), mv.dim()
+    pieces: list[tuple[torch.fx.Node, int, int]] = []
+    for u in mm.users:
+        if _is(u, "split_with_sizes") and u.args[0] is mm and not u.kwargs:
+            dim = u.args[2] if len(u.args) > 2 else 0
+            if dim not in (-1, rank - 1):
+                return None
+            bounds = [0]
+            for size in u.args[1]:
+                bounds.append(bounds[-1] + int(size))
+            for g in u.users:
+                if g.target is not operator.getitem:
+                    return None
+                i = g.args[1]
+                pieces.append((g, bounds[i], bounds[i + 1]))
+        elif _is(u, "slice") and u.args[0] is mm:
+            span = _slice_span(u, width)
+            if span is None:
+                return None
+            pieces.append((u, *span))
+        else:
+            return None
+    pieces.sort(key=lambda p: p[1])
+    at = 0
+    for _, lo, hi in pieces:
+        if lo != at or hi <= lo:
+            return None
+        at = hi
+    return pieces if at == width and len(pieces) > 1 else None
 
 
 @dataclass
@@ -152,6 +192,41 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
     )  # fmt: skip
 
 
+def _as_token_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tensor):
+    """vLLM's form of ``_as_heads``: ``sv`` [t, k], an output read only as
+    ``view(t, -1, d)`` rotated by tables [t, d] gathered by position
+    (``rope_match.rope_of(token_major=True)``; one pair for all) is rotated by
+    the program and stored token-major, replacing the sum; the others stay
+    plain projections.  None when no output is rotated so."""
+    from torch_spyre.layout import stick_elems
+
+    if sv.dim() != 2:
+        return None
+    views = [rope_match.token_heads(mm, sv.shape[0]) for mm in mms]
+    sizes = {v[1] for v in views if v is not None}
+    if len(sizes) != 1:
+        return None
+    (hd,) = sizes
+    if hd % 2 or (hd // 2) % stick_elems(sv.dtype):
+        return None
+    if any(mm.meta["val"].shape[-1] % hd for mm in mms):
+        return None
+    ropes = [
+        rope_match.rope_of(gm, v[0], hd, token_major=True) if v is not None else None for v in views
+    ]
+    tables = {(r[1], r[2]) for r in ropes if r is not None}
+    if len(tables) != 1:
+        return None
+    cos, sin = next(iter(tables))
+    if not (cos.meta["val"].dtype == sin.meta["val"].dtype == sv.dtype):
+        return None
+    n = len(mms)
+    return _Heads(
+        hd, [r is not None for r in ropes], [False] * n, cos, sin,
+        [r[0] if r is not None else None for r in ropes], [None] * n, 0.0,
+    )  # fmt: skip
+
+
 def _val_of(a):
     """A node argument's value (fake), lists element-wise; anything else as is."""
     if isinstance(a, torch.fx.Node):
@@ -185,10 +260,20 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
         if sv.numel() // k < _MIN_ROWS:
             continue
         uses = _projections_of(node, k)
-        if not uses or len(uses) < 2:
+        if not uses:
+            continue
+        # a merged projection read as pieces: one projection per piece, by
+        # its rows of the weight (a (weight, lo, hi) row slice)
+        split_up: list = []
+        for mm, w in uses:
+            pieces = _row_pieces(mm)
+            split_up += [(p, (w, lo, hi)) for p, lo, hi in pieces] if pieces else [(mm, w)]
+        merged = len(split_up) > len(uses)
+        uses = split_up
+        if len(uses) < 2:
             continue
         ws = [w for _, w in uses]
-        wv = [w.meta.get("val") for w in ws]
+        wv = [_weight_val(w) for w in ws]
         if any(
             not isinstance(v, torch.Tensor)
             or v.dim() != 2
@@ -197,7 +282,8 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
             for v in wv
         ):
             continue
-        if any(w.op not in ("placeholder", "get_attr") or _from_8bit(w) for w in ws):
+        bases = [w[0] if isinstance(w, tuple) else w for w in ws]
+        if any(w.op not in ("placeholder", "get_attr") or _from_8bit(w) for w in bases):
             continue
         if projection_block(tuple(int(v.shape[0]) for v in wv), sv.dtype) is None:
             continue
@@ -205,7 +291,13 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
         inner = set(seen) - {node}
         if any(u not in inner and u is not node for n in inner for u in n.users):
             continue
-        heads = _as_heads(gm, [mm for mm, _ in uses], sv)
+        # rows [t, k] (vLLM): token-major heads, rotated; [b, s, k]
+        # (transformers, separate weights): heads-first, rotated, normed
+        mms = [mm for mm, _ in uses]
+        if sv.dim() == 2:
+            heads = _as_token_heads(gm, mms, sv)
+        else:
+            heads = None if merged else _as_heads(gm, mms, sv)
         at = node
         if heads is not None:
             # the op reads the rotary tables and head-norm weights: it goes
@@ -216,6 +308,8 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
             replaced = [st if st is not None else mm for st, (mm, _) in zip(heads.stands, uses)]
             if any(order[u] <= order[at] for r in replaced for u in r.users):
                 heads, at = None, node  # read before the tables: the plain projections
+        with gm.graph.inserting_before(at):
+            ws = [_row_slice(gm, w) for w in ws]
         args: tuple = (s, nw, eps, ws)
         vargs: tuple = (sv, nw.meta["val"], eps, wv)
         if heads is not None:
@@ -234,8 +328,16 @@ def fuse_norm_projections(gm: torch.fx.GraphModule) -> bool:
             last = item
             if heads is not None and heads.stands[i] is not None:
                 # heads-first (normed, rotated): the node it stands for,
-                # replaced; the projection's views to it are dead
-                heads.stands[i].replace_all_uses_with(item)
+                # replaced; the projection's views to it are dead (a
+                # token-major output [t, n] stands for its [t, h, d] view)
+                stand = heads.stands[i]
+                shape = list(stand.meta["val"].shape)
+                if list(vals[i].shape) != shape:
+                    with gm.graph.inserting_after(item):
+                        item = gm.graph.call_function(torch.ops.aten.reshape.default, (item, shape))
+                    item.meta["val"] = vals[i].reshape(shape)
+                    last = item
+                stand.replace_all_uses_with(item)
                 continue
             with gm.graph.inserting_after(item):
                 flat = gm.graph.call_function(

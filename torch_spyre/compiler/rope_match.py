@@ -4,7 +4,9 @@ the projections program).
 
 transformers' attention takes ``q = q_proj(h).view(b, s, -1, d).transpose(1,
 2)`` and ``apply_rotary_pos_emb``'s ``q * cos.unsqueeze(1) + rotate_half(q) *
-sin.unsqueeze(1)``.  By the time these run, the spyre graph pass has made
+sin.unsqueeze(1)``; vLLM's (our ``SpyreRotary``) keeps the tokens outermost,
+``q.view(t, -1, d) * cos[:, None] + rotate_half(...) * sin[:, None]`` with
+the tables gathered by position.  By the time these run, the spyre graph pass has made
 ``rotate_half`` a matmul by a signed permutation table (``passes.
 _rewrite_lane_shuffles``: the rows of ``q`` in memory order, ``@ P``, viewed
 and permuted back like ``q``), so that is the form matched, with the table
@@ -20,6 +22,8 @@ from torch_spyre.compiler.fx_match import VIEWS
 from torch_spyre.compiler.fx_match import is_op as _is
 
 _SWAP = [0, 2, 1, 3]
+#: a clone's memory formats that give rows in order
+_ROWS = (None, torch.contiguous_format, torch.preserve_format)
 
 
 def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -54,6 +58,20 @@ def head_split(mm: torch.fx.Node, b: int, s: int):
     if _is(user, "permute") and list(user.args[1]) == _SWAP:
         return user, int(shape[3]), norm
     return None
+
+
+def token_heads(piece: torch.fx.Node, rows: int) -> tuple[torch.fx.Node, int] | None:
+    """(``t``, head size) when the projection ``piece`` [rows, N] is read only
+    as ``t = piece.view(rows, N / d, d)`` (through views that each feed only
+    the next): vLLM's token-major heads; else None."""
+    node, found = piece, None
+    user = _sole_user(node)
+    while user is not None and _is(user, *VIEWS) and user.args[0] is node:
+        node, user = user, _sole_user(user)
+        shape = _shape(node)
+        if shape is not None and len(shape) == 3 and shape[0] == rows:
+            found = node, int(shape[2])
+    return found
 
 
 def _head_norm(x: torch.fx.Node):
@@ -148,11 +166,13 @@ def _table_of(mul: torch.fx.Node, x: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def rope_of(
-    gm: torch.fx.GraphModule, t: torch.fx.Node, d: int
+    gm: torch.fx.GraphModule, t: torch.fx.Node, d: int, token_major: bool = False
 ) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(``out``, cos, sin) when the head-split ``t`` [b, h, s, d] is read only
     as ``out = t * cos.unsqueeze(1) + rotate_half(t) * sin.unsqueeze(1)``,
-    each node between feeding only the next; else None."""
+    each node between feeding only the next; else None.  ``token_major``:
+    ``t`` is [rows, h, d] and the tables [rows, d] (vLLM's rotary over
+    position-gathered rows, ``vllm_plugin/layers.SpyreRotary``)."""
     if len(t.users) != 2:
         return None
     by_cos = next((u for u in t.users if _is(u, "mul")), None)
@@ -166,6 +186,10 @@ def rope_of(
     if permuted:
         if list(rot.args[1]) != _SWAP:
             return None
+        rot = _sole_user(rot)
+    elif token_major and _is(rot, "clone") and rot.kwargs.get("memory_format") in _ROWS:
+        # a strided t (a slice of a merged projection) is copied to rows
+        # first; the program's output is contiguous, so the copy is moot
         rot = _sole_user(rot)
     mm = _sole_user(rot) if rot is not None and _is(rot, *VIEWS) else None
     if mm is None or not _is(mm, "mm") or mm.args[0] is not rot:
@@ -187,9 +211,13 @@ def rope_of(
         return None
     if not _is(out, "add") or set(out.args) != {by_cos, by_sin} or out.kwargs:
         return None
-    b, s = _shape(t)[0], _shape(t)[2]
+    if token_major:
+        ok = ((_shape(t)[0], d),)
+    else:
+        b, s = _shape(t)[0], _shape(t)[2]
+        ok = ((1, s, d), (b, s, d))
     for table in (cos, sin):
-        if _shape(table) not in ((1, s, d), (b, s, d)):
+        if _shape(table) not in ok:
             return None
     if _shape(cos) != _shape(sin):
         return None

@@ -101,6 +101,7 @@ def norm_projections(
     config: HardwareConfig | None = None,
     name: str | None = None,
     heads: Heads | None = None,
+    merged: bool = False,
 ) -> Program:
     """``out_i = x @ w_i^T`` for every weight ``w_i`` [widths[i], k], the
     activation read once.
@@ -128,6 +129,10 @@ def norm_projections(
     of one column block overlap the next block's weight stream instead of
     stalling it (twice their LX).
 
+    ``merged``: the weights are the consecutive row blocks of one operand
+    ``w`` [sum(widths), k] (vLLM's merged ``qkv_proj``), read in place
+    through row offsets, instead of operands ``w0``, ``w1``, ...
+
     ``heads``: the outputs as attention heads (``Heads``): the column dim
     ``n`` counts the heads of a block (``tiles``' ``tn`` too), ``j`` the two
     halves of a head and ``e`` a half's elements (operand ``w_i`` [widths[i]
@@ -144,7 +149,7 @@ def norm_projections(
     if heads is not None:
         return _head_projections(
             b, m, k, widths, dtype, heads, norm_eps=norm_eps, split=(pb, pm, pn, pk),
-            tiles=tiles, tb=tb, batched=batched, double_acc=double_acc, name=name,
+            tiles=tiles, tb=tb, batched=batched, double_acc=double_acc, name=name, merged=merged,
         )  # fmt: skip
     pn, pk, en, ek, em, (tm, tn, tk) = row_block_extents(
         m, n, k, pm, pn, pk, stick_elems(dtype), tiles
@@ -168,12 +173,16 @@ def norm_projections(
     operands = [
         Operand("x", SpyreTensorLayout.default((b, m, k) if batched else (m, k), dtype), "input")
     ]
+    if merged:
+        operands.append(Operand("w", SpyreTensorLayout.default((sum(widths), k), dtype), "input"))
     for i, w in enumerate(widths):
-        operands.append(Operand(f"w{i}", SpyreTensorLayout.default((w, k), dtype), "input"))
+        if not merged:
+            operands.append(Operand(f"w{i}", SpyreTensorLayout.default((w, k), dtype), "input"))
+        src, base = ("w", sum(widths[:i])) if merged else (f"w{i}", 0)
         for r in range(w // n):
             wt, at = f"w{i}t{r}", f"a{i}t{r}"
             steps += [
-                Load(wt, f"w{i}", ("n", "k"), l4, multicast=w_mc, offsets=(r * n, 0)),
+                Load(wt, src, ("n", "k"), l4, multicast=w_mc, offsets=(base + r * n, 0)),
                 Matmul(at, "xt", wt, l4),
             ]
             buffers += [
@@ -229,6 +238,7 @@ def _head_projections(
     batched: bool,
     double_acc: bool,
     name: str | None,
+    merged: bool = False,
 ) -> Program:
     """``norm_projections`` with ``heads``: see there."""
     se = stick_elems(dtype)
@@ -300,13 +310,17 @@ def _head_projections(
         steps.append(Load("pos", "pos", ("m",), l2))
         buffers.append(Buffer("pos", ("m",), torch.int32))
     epilogue: list = []
+    if merged:
+        operands.append(Operand("w", _weight_as_heads(sum(widths), hd, k, dtype), "input"))
     for i, w in enumerate(widths):
-        operands.append(Operand(f"w{i}", _weight_as_heads(w, hd, k, dtype), "input"))
+        if not merged:
+            operands.append(Operand(f"w{i}", _weight_as_heads(w, hd, k, dtype), "input"))
+        src, base = ("w", sum(widths[:i]) // hd) if merged else (f"w{i}", 0)
         for r in range(w // (nh * hd)):
             wt, at = f"w{i}t{r}", f"a{i}t{r}"
             steps += [
-                Load(wt, f"w{i}", ("n", "j", "e", "k"), l4, multicast=w_mc,
-                     offsets=(r * nh, 0, 0, 0)),
+                Load(wt, src, ("n", "j", "e", "k"), l4, multicast=w_mc,
+                     offsets=(base + r * nh, 0, 0, 0)),
                 Matmul(at, "xt", wt, l4),
             ]  # fmt: skip
             buffers += [
@@ -396,6 +410,7 @@ def best_norm_projections(
     config: HardwareConfig | None = None,
     name: str | None = None,
     heads: Heads | None = None,
+    merged: bool = False,
 ) -> Program:
     """The projections program the timing model finds fastest: core splits
     over (batch, rows, column block, k) and tiles that fit the LX and a
@@ -415,6 +430,7 @@ def best_norm_projections(
             return norm_projections(
                 b, m, k, widths, dtype, norm_eps=norm_eps, split=split, tiles=(tm, tn, tk),
                 tb=tb, batched=batched, double_acc=dacc, config=cfg, name=name, heads=heads,
+                merged=merged,
             )  # fmt: skip
 
         return double_if_it_fits(program, cfg)

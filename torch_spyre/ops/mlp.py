@@ -176,7 +176,7 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None, norm=None, proj=None):
     n, e = wg.shape[0], wd.shape[0]
     if wg.shape != (n, k) or wu.shape != (n, k) or wd.shape != (e, n) or x.numel() == 0:
         return None
-    wgu = _merged_weight(wg, wu)
+    wgu = operands.row_blocks([wg, wu])
     lead = tuple(x.shape[:-1])
     b, m, batched, xx = activation_rows(x)
     dev = x.device
@@ -246,25 +246,3 @@ def _device_swiglu(x, wg, wu, wd, res=None, scale=None, norm=None, proj=None):
         what = "swiglu_mlp_norm_add" if proj is None else "proj_swiglu_mlp_norm_add"
     dispatch_stats.record("kernel", what)
     return out
-
-
-def _merged_weight(wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor | None:
-    """The device memory of the ``[2n, k]`` weight whose row halves are ``wg`` and
-    ``wu`` (vLLM's merged ``gate_up_proj`` sliced in two), so that the program
-    reads both in place; None when they are not that (then each is its own
-    whole operand, re-laid if it is a view)."""
-    from torch_spyre.layout import SpyreTensorLayout
-    from torch_spyre.runtime import access
-
-    n, k = wg.shape
-    if (
-        wg.untyped_storage().data_ptr() != wu.untyped_storage().data_ptr()
-        or wg.storage_offset() != 0
-        or wu.storage_offset() != n * k
-        or not (wg.is_contiguous() and wu.is_contiguous())
-    ):
-        return None
-    lay = access.storage_layout(wg)
-    if lay != SpyreTensorLayout.default((2 * n, k), wg.dtype):
-        return None
-    return access.device_tensor(wg, lay)

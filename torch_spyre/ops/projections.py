@@ -116,12 +116,17 @@ def _heads_args_ok(x, ws, cos, sin, head_dim, rope, first, hn) -> bool:
         return False
     if any(g is not None and tuple(g.shape) != (head_dim,) for g in hn):
         return False
-    if any(w.shape[0] % head_dim for w in ws) or x.dim() != 3:
+    # [b, s, K]; or rows [t, K] (vLLM), the outputs token-major
+    if any(w.shape[0] % head_dim for w in ws) or x.dim() not in (2, 3):
+        return False
+    if x.dim() == 2 and any(first):
         return False
     if not any(rope):
         return True
     if cos is None or sin is None or head_dim % 2:
         return False
+    if x.dim() == 2:
+        return all(t.shape == (x.shape[0], head_dim) for t in (cos, sin))
     b, s = x.shape[0], x.shape[1]
     return all(t.shape in ((1, s, head_dim), (b, s, head_dim)) for t in (cos, sin))
 
@@ -134,19 +139,20 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
 def _as_heads(
     o, cos, sin, head_dim: int, rope: bool, first: bool, hn=None, hn_eps: float = 0.0
 ) -> torch.Tensor:
-    """Output ``o`` [b, s, N] as the op gives it (see ``norm_projections``)."""
+    """Output ``o`` [b, s, N] (or [t, N]) as the op gives it (see
+    ``norm_projections``)."""
     if not (rope or first or hn is not None):
         return o
-    b, s = o.shape[0], o.shape[1]
-    o = o.view(b, s, -1, head_dim)
+    lead = o.shape[:-1]
+    o = o.view(*lead, -1, head_dim)
     if hn is not None:
         o = rms_norm(o, hn, hn_eps)
     if first:
         o = o.transpose(1, 2)
     if rope:
-        at = 1 if first else 2  # the heads dim the tables broadcast over
+        at = 1 if first else len(lead)  # the heads dim the tables broadcast over
         o = o * cos.unsqueeze(at) + _rotate_half(o) * sin.unsqueeze(at)
-    return o.contiguous() if first else o.reshape(b, s, -1)
+    return o.contiguous() if first else o.reshape(*lead, -1)
 
 
 def _device_projections(
@@ -178,7 +184,8 @@ def _device_projections(
             return None
         if any(g is not None and g.dtype != x.dtype for g in hn):
             return None
-        cb = int(cos.shape[0]) if any(rope) else 1
+        # tables [1 or b, s, d]; rows' tables [t, d] are one batch
+        cb = int(cos.shape[0]) if any(rope) and cos.dim() == 3 else 1
         cached: tuple[bool, ...] = ()
         length = run = 0
         if cache is not None:
@@ -192,13 +199,17 @@ def _device_projections(
         return None
     dev = x.device
     norm_eps = None if nw is None else eps
-    key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps, heads)
+    # the weights as row blocks of one tensor (vLLM's merged qkv_proj): read in place
+    whole_w = operands.row_blocks(list(ws))
+    merged = whole_w is not None
+    key = ("norm_projections", b, m, k, widths, x.dtype, batched, norm_eps, merged, heads)
 
     def build() -> launch.Kernel:
         cfg = cards.config(dev.index or 0)
         p = best_norm_projections(
-            b, m, k, widths, x.dtype, norm_eps=norm_eps, batched=batched, config=cfg, heads=heads
-        )
+            b, m, k, widths, x.dtype, norm_eps=norm_eps, batched=batched, config=cfg,
+            heads=heads, merged=merged,
+        )  # fmt: skip
         return launch.Kernel(p)
 
     try:
@@ -216,8 +227,11 @@ def _device_projections(
         else:
             outs.append(torch.empty((*lead, w), dtype=x.dtype, device=dev))
     bufs = {"x": operands.device_memory(xx)}
+    if merged:
+        bufs["w"] = whole_w
     for i, (w, o) in enumerate(zip(ws, outs)):
-        bufs[f"w{i}"] = operands.device_memory(operands.whole(w))
+        if not merged:
+            bufs[f"w{i}"] = operands.device_memory(operands.whole(w))
         bufs[f"out{i}"] = operands.device_memory(o if batched else o.view(m, widths[i]))
     if nw is not None:
         bufs["nw"] = operands.device_memory(operands.whole(nw))

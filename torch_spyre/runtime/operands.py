@@ -93,6 +93,26 @@ def in_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
     return base
 
 
+def row_blocks(ws: list[torch.Tensor]) -> torch.Tensor | None:
+    """The device memory of the 2-D tensor whose consecutive row blocks are
+    ``ws`` (vLLM's merged ``qkv_proj`` / ``gate_up_proj`` sliced apart: a
+    program reads every block in place through row offsets); None when they
+    are not that, all of one default-layout storage in order."""
+    if len(ws) < 2 or any(w.dim() != 2 or not w.is_contiguous() for w in ws):
+        return None
+    k = ws[0].shape[1]
+    ptr = ws[0].untyped_storage().data_ptr()
+    at = 0
+    for w in ws:
+        if w.shape[1] != k or w.untyped_storage().data_ptr() != ptr or w.storage_offset() != at:
+            return None
+        at += w.numel()
+    lay = access.storage_layout(ws[0])
+    if lay != SpyreTensorLayout.default((at // k, k), ws[0].dtype):
+        return None
+    return access.device_tensor(ws[0], lay)
+
+
 def relaid(t: torch.Tensor) -> torch.Tensor:
     """A fresh default-layout copy of ``t`` made on the card (a restickify DMA)."""
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)

@@ -145,8 +145,12 @@ def attention_half_vllm(b) -> int:
     kk = _add(b, "view", [kk], {**split, "factor": hk})
     v = _add(b, "view", [v], {**split, "factor": hk})
     if rng.random() < 0.8:
-        cos, sin = (b.new_float([[x, 0], 1, d], -1.0, 1.0, dtype=dt, layout_ok=False)
-                    for _ in range(2))  # fmt: skip
+        # rows [tokens, d] (gathered by position in vLLM), [:, None] per head
+        cos, sin = (
+            _add(b, "view", [b.new_float([[x, 0], d], -1.0, 1.0, dtype=dt, layout_ok=False)],
+                 {"kind": "unsqueeze", "dim": 1})
+            for _ in range(2)
+        )  # fmt: skip
         q, kk = _rotate(b, q, cos, sin), _rotate(b, kk, cos, sin)
     swap = {"kind": "transpose", "dims": [0, 1]}
     q, kk, v = (_add(b, "view", [t], swap) for t in (q, kk, v))
