@@ -135,7 +135,6 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
     transpose is read only as transformers' RoPE (one cos/sin pair for all),
     the program also rotates it and it replaces the sum.  One head size for
     all, half a head whole sticks."""
-    from torch_spyre.layout import stick_elems
 
     if sv.dim() != 3:
         return None
@@ -156,13 +155,8 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
         else None
         for f in splits
     ]
-    sizes = {f[1] for f in splits if f is not None}
-    if len(sizes) != 1:
-        return None
-    (hd,) = sizes
-    if hd % 2 or (hd // 2) % stick_elems(sv.dtype):
-        return None
-    if any(mm.meta["val"].shape[-1] % hd for mm in mms):
+    hd = _head_size({f[1] for f in splits if f is not None}, mms, sv.dtype)
+    if hd is None:
         return None
     ropes = [rope_match.rope_of(gm, f[0], hd) if f is not None else None for f in splits]
     tables = {(r[1], r[2]) for r in ropes if r is not None}
@@ -192,24 +186,33 @@ def _as_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tens
     )  # fmt: skip
 
 
+def _head_size(sizes: set[int], mms: list[torch.fx.Node], dtype: torch.dtype) -> int | None:
+    """The one head size of the outputs read as heads, when half a head is
+    whole sticks and every output whole heads; else None."""
+    from torch_spyre.layout import stick_elems
+
+    if len(sizes) != 1:
+        return None
+    (hd,) = sizes
+    if hd % 2 or (hd // 2) % stick_elems(dtype):
+        return None
+    if any(mm.meta["val"].shape[-1] % hd for mm in mms):
+        return None
+    return hd
+
+
 def _as_token_heads(gm: torch.fx.GraphModule, mms: list[torch.fx.Node], sv: torch.Tensor):
     """vLLM's form of ``_as_heads``: ``sv`` [t, k], an output read only as
     ``view(t, -1, d)`` rotated by tables [t, d] gathered by position
     (``rope_match.rope_of(token_major=True)``; one pair for all) is rotated by
     the program and stored token-major, replacing the sum; the others stay
     plain projections.  None when no output is rotated so."""
-    from torch_spyre.layout import stick_elems
 
     if sv.dim() != 2:
         return None
     views = [rope_match.token_heads(mm, sv.shape[0]) for mm in mms]
-    sizes = {v[1] for v in views if v is not None}
-    if len(sizes) != 1:
-        return None
-    (hd,) = sizes
-    if hd % 2 or (hd // 2) % stick_elems(sv.dtype):
-        return None
-    if any(mm.meta["val"].shape[-1] % hd for mm in mms):
+    hd = _head_size({v[1] for v in views if v is not None}, mms, sv.dtype)
+    if hd is None:
         return None
     ropes = [
         rope_match.rope_of(gm, v[0], hd, token_major=True) if v is not None else None for v in views
