@@ -21,7 +21,7 @@ from torch_spyre.ir import (
     Store,
     Vector,
 )
-from torch_spyre.kernels.search import persisted
+from torch_spyre.kernels.search import REJECTED, persisted
 from torch_spyre.kernels.splits import double_if_it_fits, row_block_extents, row_block_plans
 from torch_spyre.layout import SpyreTensorLayout, ceil_div, stick_elems
 
@@ -441,18 +441,18 @@ def proj_pays(
     from torch_spyre.sim import estimate
 
     cfg = config or HardwareConfig()
+    rows = b * m
     try:
         fused = best_swiglu_mlp(
             b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps, proj=(j, so)
         )
-    except ProgramError:
+        mlp = best_swiglu_mlp(b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps)
+        oproj = matmul(
+            (rows, j), ("m0", "k"), (k, j), ("n", "k"), (rows, k), ("m0", "n"),
+            {"m0": rows, "n": k, "k": j}, dtype, bias=((rows, k), ("m0", "n")), alpha=so,
+            config=cfg,
+        )  # fmt: skip
+    except REJECTED:  # a program that does not fit: the kernels as they were
         return False
-    mlp = best_swiglu_mlp(b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps)
-    rows = b * m
-    oproj = matmul(
-        (rows, j), ("m0", "k"), (k, j), ("n", "k"), (rows, k), ("m0", "n"),
-        {"m0": rows, "n": k, "k": j}, dtype, bias=((rows, k), ("m0", "n")), alpha=so,
-        config=cfg,
-    )  # fmt: skip
     apart = estimate(mlp, cfg).time_s + estimate(oproj, cfg).time_s
     return estimate(fused, cfg).time_s < apart
