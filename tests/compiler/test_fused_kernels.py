@@ -321,7 +321,7 @@ def test_output_projection_prologue_pays_in_prefill_not_in_decode():
     (3,821.6 us) beats the projection (514.0 us) and the MLP (3,442.4 us)
     apart, the stream's 8 MiB store and reload gone; in a decode step the
     MLP's split (hidden units over cores) makes the prologue slower than the
-    projection's own plan (2,940.5 against 285.5 + 2,648.2 us), so the
+    projection's own plan (2,944.5 against 285.5 + 2,648.2 us), so the
     compiler keeps the two kernels (``kernels.swiglu.proj_pays``)."""
     from torch_spyre.kernels.swiglu import proj_pays
 

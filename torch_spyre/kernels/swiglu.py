@@ -399,12 +399,24 @@ def best_swiglu_mlp(
 
         return double_if_it_fits(program, cfg)
 
+    found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
+    if proj is not None:
+        # the output projection's prologue on the plain program's plan (its
+        # split and tiles: the MLP is most of the work), in the contraction
+        # tiles that fit; the whole search only when none does (a search per
+        # plan and tile would double a cold compile's MLP planning)
+        base = plain_swiglu_mlp(b, m, k, n, e, dtype, residual, cfg, merged, norm_eps)
+        dims = {d.name: d for d in base.dims}
+        split = tuple(dims[x].cores if x in dims else 1 for x in "bmnk")
+        tiles = tuple(dims[x].tile_size if x in dims else 1 for x in "bmnk")
+        found.run((split, tiles, True, tj) for tj in (64, 128, 256))
+        if found.best is not None:
+            return found.best.result
     # with a norm prologue: the residual stream kept in LX, or read again
     # (with the output projection it is only ever in LX)
     keeps = (False, True) if norm_eps is not None and batched and proj is None else (True,)
     # the output projection's contraction tiles
     tjs = (64, 128, 256) if proj is not None else (64,)
-    found = Search(build, cfg, margin=1e-12, rejected=(ProgramError,))
     # a k split needs the output columns to be k
     plans = row_block_plans(
         b, m, k, n, cfg.cores, stick_elems(dtype), batched=batched, k_split=e == k
@@ -414,6 +426,28 @@ def best_swiglu_mlp(
     if found.best is None:
         raise ProgramError(f"fused SwiGLU MLP {b * m}x{k}x{n}: no plan fits the card")
     return found.best.result
+
+
+def plain_swiglu_mlp(
+    b: int,
+    m: int,
+    k: int,
+    n: int,
+    e: int | None,
+    dtype: torch.dtype,
+    residual: float | None,
+    config: HardwareConfig,
+    merged: bool = False,
+    norm_eps: float | None = None,
+    batched: bool = True,
+) -> Program:
+    """``best_swiglu_mlp`` without the output projection, called as the op
+    (``ops/mlp.py``) calls it: one entry of its cache for the op,
+    ``proj_pays`` and the prologue's plan."""
+    return best_swiglu_mlp(
+        b, m, k, n, e, dtype, batched=batched, residual=residual, config=config, merged=merged,
+        norm_eps=norm_eps, proj=None,
+    )  # fmt: skip
 
 
 @persisted("swiglu_proj")
@@ -446,7 +480,7 @@ def proj_pays(
         fused = best_swiglu_mlp(
             b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps, proj=(j, so)
         )
-        mlp = best_swiglu_mlp(b, m, k, n, k, dtype, residual=scale, config=cfg, norm_eps=eps)
+        mlp = plain_swiglu_mlp(b, m, k, n, k, dtype, scale, cfg, norm_eps=eps)
         oproj = matmul(
             (rows, j), ("m0", "k"), (k, j), ("n", "k"), (rows, k), ("m0", "n"),
             {"m0": rows, "n": k, "k": j}, dtype, bias=((rows, k), ("m0", "n")), alpha=so,
