@@ -241,6 +241,21 @@ def fuse_swiglu(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
+def _residual_terms(add: torch.fx.Node):
+    """``(res, c, t, seen)`` for each way ``add`` reads as ``res + t * c`` (a
+    decoder layer's residual add, Granite's residual multiplier ``c`` a
+    constant) or ``res + t`` (``c`` = 1); ``seen``: the mul, if any."""
+    for res, other in (add.args, add.args[::-1]):
+        if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
+            c = [a for a in other.args if isinstance(a, (int, float))]
+            t = [a for a in other.args if isinstance(a, torch.fx.Node)]
+            if len(c) != 1 or len(t) != 1:
+                continue
+            yield res, float(c[0]), t[0], [other]
+        else:
+            yield res, 1.0, other, []
+
+
 def fuse_swiglu_residual(gm: torch.fx.GraphModule) -> bool:
     """``res + swiglu_mlp(...)`` and ``res + swiglu_mlp(...) * c`` (a decoder
     layer's residual add, with Granite's residual multiplier) ->
@@ -256,15 +271,7 @@ def fuse_swiglu_residual(gm: torch.fx.GraphModule) -> bool:
         if not _is(node, "add") or len(node.args) != 2 or node.kwargs or not _on_spyre(node):
             continue
         found = None
-        for res, other in (node.args, node.args[::-1]):
-            scale, seen = 1.0, []
-            if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
-                c = [a for a in other.args if isinstance(a, (int, float))]
-                t = [a for a in other.args if isinstance(a, torch.fx.Node)]
-                if len(c) != 1 or len(t) != 1:
-                    continue
-                scale, seen = float(c[0]), [other]
-                other = t[0]
+        for res, scale, other, seen in _residual_terms(node):
             mlp_node = _through_views(other, seen)
             if (
                 isinstance(res, torch.fx.Node)
@@ -386,16 +393,7 @@ def fuse_proj_swiglu(gm: torch.fx.GraphModule) -> bool:
         if not _is(s, "add") or len(s.args) != 2 or s.kwargs:
             continue
         found = None
-        for res, other in (s.args, s.args[::-1]):
-            inner: list = []
-            so = 1.0
-            if _is(other, "mul") and len(other.args) == 2 and not other.kwargs:
-                c = [v for v in other.args if isinstance(v, (int, float))]
-                t = [v for v in other.args if isinstance(v, torch.fx.Node)]
-                if len(c) != 1 or len(t) != 1:
-                    continue
-                inner.append(other)
-                so, other = float(c[0]), t[0]
+        for res, so, other, inner in _residual_terms(s):
             lin = _linear_of(other, inner) if isinstance(res, torch.fx.Node) else None
             if lin is not None:
                 found = (res, so, lin, inner)

@@ -46,7 +46,7 @@ def swiglu_mlp(
     norm_eps: float | None = None,
     keep_stream: bool = False,
     double_out: bool = False,
-    proj: tuple[int, float] | None = None,
+    proj: tuple[int, float] | tuple[int, float, bool] | None = None,
     tj: int = 64,
 ) -> Program:
     """``out = (silu(x @ wg^T) * (x @ wu^T)) @ wd^T`` in one program.
@@ -372,7 +372,7 @@ def best_swiglu_mlp(
     name: str | None = None,
     merged: bool = False,
     norm_eps: float | None = None,
-    proj: tuple[int, float] | None = None,
+    proj: tuple[int, float] | tuple[int, float, bool] | None = None,
 ) -> Program:
     """The fused SwiGLU MLP program the timing model finds fastest: core
     splits over (b, rows, hidden, k) and tiles (batch, rows, hidden block, k)

@@ -11,7 +11,9 @@ Closed form per tile loop, never per element and never per tile instance:
   cost class) and the ring port.  When every buffer moved inside the tile
   loops is double buffered, the loop body is a pipeline over ``n`` iterations:
   ``T = max_u B_u + (sum_u B_u - max_u B_u) / n`` (one iteration of fill and
-  drain, then the busiest unit sets the pace).  Otherwise steps serialise:
+  drain, then the busiest unit sets the pace); sibling loops
+  (``Program.branches``) are one pipeline each, one after the other
+  (``step_costs._phases``).  Otherwise steps serialise:
   ``T = sum_u B_u``.  Steps outside every loop run serially around the loop.
 * All cores using memory share its sustained bandwidth evenly; a core's DMA
   engine never exceeds ``dma_bytes_per_cycle``.
