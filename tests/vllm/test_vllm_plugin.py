@@ -173,20 +173,55 @@ def test_engine_processes_fork_unless_the_user_chose(monkeypatch):
     """``vllm serve`` sets ``spawn`` for every platform after the platform is
     chosen; the spyre platform forks its engine (no second import of torch and
     vLLM) unless the user had set a start method before vLLM started."""
+    import vllm.utils.gc_utils
+
     from torch_spyre.vllm_plugin.platform import start_method
 
+    frozen = []
+    monkeypatch.setattr(vllm.utils.gc_utils, "freeze_gc_heap", lambda: frozen.append(1))
     monkeypatch.setattr(plugin, "MP_METHOD_AT_START", None)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # cli_env_setup's
     assert start_method() == "fork"
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert frozen == [1]  # `vllm serve`'s API server freezes its heap before the fork
     # unset (vLLM as a library): vLLM's own default, fork, and no variable written
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
     assert start_method() == "fork"
     assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert frozen == [1]  # a user's process is not frozen
     monkeypatch.setattr(plugin, "MP_METHOD_AT_START", "spawn")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     assert start_method() == "spawn"
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def _frozen_in_child(conn) -> None:
+    import gc
+
+    from torch_spyre.vllm_plugin.worker import freeze_inherited_heap
+
+    conn.send((freeze_inherited_heap(), gc.get_freeze_count()))
+
+
+def test_a_forked_engine_freezes_the_heap_it_inherited():
+    """vLLM's engine runs several full collections while it loads a model; in
+    a forked engine they skip the objects inherited from the parent."""
+    import gc
+    import multiprocessing
+
+    from torch_spyre.vllm_plugin.worker import freeze_inherited_heap
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_frozen_in_child, args=(child,))
+    proc.start()
+    assert parent.poll(60)
+    froze, count = parent.recv()
+    proc.join(60)
+    assert froze and count > 100_000, count  # every module torch and vLLM loaded
+    before = gc.get_freeze_count()
+    assert not freeze_inherited_heap()  # this process was not forked by multiprocessing
+    assert gc.get_freeze_count() == before
 
 
 def test_the_start_method_is_recorded_before_vllm_serve_sets_it(monkeypatch):

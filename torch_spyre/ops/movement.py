@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from torch_spyre.kernels import eager as programs
 from torch_spyre.ops import indexing
-from torch_spyre.runtime import launch
+from torch_spyre.runtime import access, launch
 from torch_spyre.runtime.fallback import run_on_values
 
 #: aten base names served here
@@ -49,6 +49,22 @@ MOVEMENT = {
 _names: dict = {}
 
 
+def _fill(t: torch.Tensor, value) -> torch.Tensor:
+    """``fill_`` of a whole storage with a number: device memory written in
+    place, not read first (``access.fill``); anything else: NotImplemented."""
+    if isinstance(value, bool | int | float) and access.fill(t, value):
+        return t
+    return NotImplemented
+
+
+#: ops served without converting their operands to the host and back
+_FAST = {
+    **indexing.KERNELS,
+    "fill_.Scalar": _fill,
+    "zero_.default": lambda t: _fill(t, 0),
+}
+
+
 def _scattered_bytes(name: str, args: tuple, kwargs: dict) -> int | None:
     """Bytes an in-place row scatter writes: its source, not the whole destination
     it returns (a KV-cache update moves the new keys, not the cache).  None for
@@ -76,7 +92,7 @@ def run(op, args: tuple, kwargs: dict):
     name = _names.get(op)
     if name is None:
         name = _names[op] = str(op).removeprefix("aten.")
-    fast = indexing.KERNELS.get(name)
+    fast = _FAST.get(name)
     out = fast(*args, **kwargs) if fast is not None else NotImplemented
     if out is NotImplemented:
         out = run_on_values(op, args, kwargs, pcie=False)

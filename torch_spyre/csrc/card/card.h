@@ -56,6 +56,10 @@ int num_cards();
 // "" on success, else what is wrong
 std::string set_cards(int n, const std::vector<int64_t>& capacities);
 std::pair<int64_t, int64_t> block_of(int64_t addr);
+// Zero device memory [addr, addr + nbytes), which must lie inside one block
+// (false otherwise, nothing written).  A whole large block drops its pages
+// (they read back as zero, as a fresh block's do) instead of writing them.
+bool zero_range(int64_t addr, int64_t nbytes);
 void mem_stats(int card, MemStats* out);
 void reset_peak(int card);
 std::string fmt_bytes(int64_t b);

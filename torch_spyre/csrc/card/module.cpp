@@ -87,6 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     spyre_card::reset_peak(card);
   });
   m.def("block_of", &spyre_card::block_of);
+  m.def("zero_range", &spyre_card::zero_range, py::arg("addr"), py::arg("nbytes"));
   // the card's stream error (IBM's SpyreDeviceState::StreamError): "" when healthy
   m.def("set_stream_error", [](int card, const std::string& what) {
     check_card(card);
