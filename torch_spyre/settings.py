@@ -168,7 +168,8 @@ VARIABLES: tuple[Var, ...] = (
         "size cap of `TORCH_SPYRE_CACHE_DIR`: past it the least recently used entries "
         "are evicted (`spyre cache --info`)", "10 GiB"),
     Var("TORCH_SPYRE_PRECOMPILE", "precompile", _flag,
-        "a `models.prepare(compile=True)` forward is compiled whole ahead of time and kept "
+        "a `models.prepare(compile=True)` forward, and the vLLM plugin's forward (traced "
+        "once for every token bucket), is compiled whole ahead of time and kept "
         "in `TORCH_SPYRE_CACHE_DIR`, so a later process loads it without tracing (`0`: "
         "`torch.compile`'s own path; docs/compiler.md, \"Precompiled forwards\")", "1"),
     Var("TORCH_SPYRE_MODEL_CACHE", "model_cache", _text,

@@ -106,7 +106,12 @@ def test_layers_of_other_classes_are_marked_apart_and_a_nested_list_with_its_lay
     assert regions.mark_repeated(model) == ["blocks"]  # not blocks.N.inner, not mixed
     marked = [m for m in model.modules() if type(m) is not Block and isinstance(m, Block)]
     assert marked == list(model.blocks)
-    assert type(model.blocks[0]).__name__ == "Block"
+    region = type(model.blocks[0])
+    assert region.__name__.startswith("Block_region_") and region._spyre_region_of is Block
+    # found by pickle under its name, as a saved trace of the model needs
+    assert (
+        getattr(regions, region.__qualname__) is region and region.__qualname__ == region.__name__
+    )
     regions.unmark(model)
     assert all(type(m) is Block for m in model.blocks)
 

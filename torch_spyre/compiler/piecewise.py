@@ -109,16 +109,8 @@ def compile_piecewise(
     if not cuts:
         stats.pieces, stats.compiled = 1, 1
         return compile_piece(gm, example_inputs)
-    _share_lookups(gm)
-    part, ids = 0, {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        if n in cuts:
-            ids[n] = part + 1
-            part += 2
-        else:
-            ids[n] = part
+    share_lookups(gm)
+    ids = parts(gm, is_cut)
     cut_parts = {ids[n] for n in cuts}
     split = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
     pieces = {
@@ -181,6 +173,22 @@ def compile_piecewise(
             stats.reused += 1
         _place(split, target, fn)
     return split
+
+
+def parts(gm: torch.fx.GraphModule, is_cut: Callable[[torch.fx.Node], bool]) -> dict:
+    """The part of the split each node falls in (``split_module``'s partition):
+    the nodes between two cuts share one, each cut op is one of its own; the
+    graph's inputs and output are in none."""
+    part, ids = 0, {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_function" and is_cut(n):
+            ids[n] = part + 1
+            part += 2
+        else:
+            ids[n] = part
+    return ids
 
 
 def _place(split: torch.fx.GraphModule, target: str, fn: Callable) -> None:
@@ -307,7 +315,7 @@ def _writes(n: torch.fx.Node) -> bool:
     ).endswith("_")
 
 
-def _share_lookups(gm: torch.fx.GraphModule) -> None:
+def share_lookups(gm: torch.fx.GraphModule) -> None:
     """One lookup per distinct (table, indices) before the cut.  Every layer
     gathers the same rotary cos/sin rows (one shared table) by its own
     ``positions.flatten()``; the whole graph's pass merges the lookups after
@@ -381,6 +389,8 @@ __all__ = [
     "compile_outside",
     "compile_piecewise",
     "fresh",
+    "parts",
     "piece_key",
+    "share_lookups",
     "symbolic",
 ]

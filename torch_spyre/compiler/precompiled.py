@@ -35,6 +35,7 @@ result: both run the same compiled graph (tests/compiler/test_precompiled.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -43,6 +44,7 @@ import json
 import sys
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,7 @@ class Stats:
 class _Entry:
     fn: Any  # torch._dynamo.aot_compile.AOTCompiledFunction
     classes: tuple[type, ...]
+    checks: list = field(default_factory=list)  # _ValueChecks.compiled()
 
 
 def _serializable_guards(entries) -> list[bool]:
@@ -102,6 +105,128 @@ def _serializable_guards(entries) -> list[bool]:
     return keep
 
 
+#: guards that compare a value the trace read (a flag, a size, a rank)
+_VALUE_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH", "SEQUENCE_LENGTH")
+#: code a value guard may pin (a decorator's closure, a function's __code__)
+_CODE = (types.CodeType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         types.ModuleType, type)  # fmt: skip
+#: values such a guard holds that an entry can keep and compare
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class _ValueChecks:
+    """``guard_filter_fn``: the serialisable guards (``_serializable_guards``)
+    are kept in torch's saved state; of the value guards it drops (a global
+    flag: the LoRA path's ``_step_has_lora``; a module attribute reached
+    through ``__dict__``; a rank), each is recorded as (kind, the guard's
+    source expression, the value the trace read) and checked by the entry
+    at every call (``failed``): without them a saved vLLM forward traced
+    with no LoRA step ran LoRA steps without their adapters, a silent wrong
+    answer.  A value that is code (a decorator's closure, a function's
+    ``__code__``) is the key's to stand for, as the classes are; any other
+    dropped value guard whose value cannot be kept refuses the saved path
+    (``unchecked``)."""
+
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, str, Any]] = []
+        self.unchecked: list[str] = []
+
+    def __call__(self, entries) -> list[bool]:
+        keep = _serializable_guards(entries)
+        for g, kept in zip(entries, keep, strict=True):
+            if kept or g.guard_type not in _VALUE_GUARDS:
+                continue
+            value = g.value if g.has_value else None
+            if isinstance(value, _CODE):
+                continue  # which code ran: the key stands for it (versions, sources, classes)
+            if g.has_value and g.guard_type == "SEQUENCE_LENGTH" and hasattr(value, "__len__"):
+                self.recorded.append(("len", g.name, len(value)))
+            elif g.has_value and g.guard_type != "SEQUENCE_LENGTH" and _plain(value):
+                self.recorded.append(("eq", g.name, value))
+            else:
+                self.unchecked.append(f"{g.guard_type} {g.name}")
+        return keep
+
+    @staticmethod
+    def compiled(recorded: list) -> list:
+        return [
+            (kind, name, compile(name, "<guard>", "eval"), want) for kind, name, want in recorded
+        ]
+
+    @staticmethod
+    def failed(checks: list, f_locals: dict, scope: dict) -> str | None:
+        """The first recorded value this call's state does not have (None: all hold)."""
+        names = {**f_locals, "L": f_locals, "G": _GlobalScope(scope)}
+        for kind, name, code, want in checks:
+            try:
+                got = eval(code, {"__builtins__": _GUARD_BUILTINS}, names)  # noqa: S307 - Dynamo's own guard source
+                if kind == "len":
+                    got = len(got)
+            except Exception as e:  # noqa: BLE001 - the state changed shape: refused
+                return f"{name} ({type(e).__name__})"
+            if type(got) is not type(want) or got != want:
+                return f"{name} is {got!r}, the trace read {want!r}"
+        return None
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+#: what Dynamo's guard sources call
+_GUARD_BUILTINS = {"dict": dict, "type": type, "len": len, "getattr": getattr, "list": list,
+                   "tuple": tuple, "isinstance": isinstance}  # fmt: skip
+
+
+class _GlobalScope(dict):
+    """Dynamo's ``G[...]`` of a guard source: the forward's globals, and the
+    modules Dynamo loads by name (``__import_torch_dot_nn`` is torch.nn)."""
+
+    def __init__(self, scope: dict) -> None:
+        super().__init__()
+        self._scope = scope
+
+    def __missing__(self, key: str) -> Any:
+        if key in self._scope:
+            return self._scope[key]
+        if key.startswith("__import_"):
+            return importlib.import_module(key.removeprefix("__import_").replace("_dot_", "."))
+        raise KeyError(key)
+
+
+#: values torch saves by name, whatever the guards hold
+_SINGLETONS = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+@contextlib.contextmanager
+def _singletons_saved():
+    """Torch's saved guard state (``GuardsStatePickler``, torch 2.13) marks a
+    module's attribute the guards do not hold as missing *by its id*, and
+    then pickles every occurrence of that object as missing: a vLLM layer's
+    ``self.dtype = torch.float16`` made every fp16 tensor of the state load
+    without a dtype ("empty_strided(): argument 'dtype' must be torch.dtype,
+    not _Missing").  dtypes, devices, layouts and memory formats are
+    singletons torch pickles by name: saved as such here.  No public hook
+    reaches the pickler; tests/vllm/test_vllm_saved_trace.py fails if this
+    stops working (the saved forward of a vLLM model does not load)."""
+    from torch._dynamo.guards import GuardsStatePickler
+
+    reduce = GuardsStatePickler.reducer_override
+
+    def reducer_override(self, obj):
+        if isinstance(obj, _SINGLETONS):
+            return NotImplemented
+        return reduce(self, obj)
+
+    GuardsStatePickler.reducer_override = reducer_override
+    try:
+        yield
+    finally:
+        GuardsStatePickler.reducer_override = reduce
+
+
 def _card_clocks() -> tuple[float, ...]:
     """Every card's modelled clock: work billed to a call moves one."""
     return tuple(cards.card(i).clock_s for i in range(cards.num_cards()))
@@ -112,16 +237,35 @@ class PrecompiledForward:
     loaded from the cache directory, else compiled ahead of time and saved,
     else ``torch.compile(forward, backend=backend, dynamic=False)``."""
 
-    def __init__(self, module: torch.nn.Module, backend, forward=None, retry=None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        backend,
+        forward=None,
+        retry=None,
+        fullgraph: bool = False,
+        salt: Any = None,
+        dynamic: Callable[[tuple, dict], list[tuple[torch.Tensor, int]]] | None = None,
+    ) -> None:
         self._module = module
         self._forward = module.forward if forward is None else forward
-        self._plain = torch.compile(self._forward, backend=backend, dynamic=False)
+        self._plain = torch.compile(
+            self._forward, backend=backend, dynamic=False, fullgraph=fullgraph
+        )
         self._backend = backend
+        self._fullgraph = fullgraph
+        #: what else keys the saved functions (vLLM's config hash: vllm_plugin)
+        self._salt = salt
+        #: a call's (tensor, dim) pairs traced as symbols (vLLM's token count):
+        #: one saved function serves every size of them.  Marked only when
+        #: this traces: torch 2.13's saved guards lose the marks, and then
+        #: refuse a marked call ("_has_dynamo_dim_marking is present on
+        #: runtime tensor but was absent at compile time")
+        self._dynamic = dynamic
         #: called with a compile's exception: True when it changed the module
         #: so that compiling again may succeed (models.prepare: the layer
         #: regions undone when Dynamo cannot capture one), once per forward
         self._retry = retry
-        self._aot = None
         self._entries: dict[str, _Entry | None] = {}
         self._lock = threading.Lock()
         self.stats = Stats()
@@ -133,7 +277,9 @@ class PrecompiledForward:
         module = memo.get(id(self._module), self._module)
         fn = getattr(self._forward, "__func__", None)
         forward = self._forward if fn is None else types.MethodType(fn, module)
-        return PrecompiledForward(module, self._backend, forward, self._retry)
+        return PrecompiledForward(
+            module, self._backend, forward, self._retry, self._fullgraph, self._salt, self._dynamic
+        )
 
     def __reduce__(self):
         # the module's __dict__ holds this forward, and a saved guard state
@@ -148,7 +294,7 @@ class PrecompiledForward:
         entry = self._entry(args, kwargs)
         if entry is not None:
             module = self._module
-            if entry.classes == _classes(module) and entry.fn.guard_check(module, *args, **kwargs):
+            if self._admits(entry, args, kwargs):
                 self.stats.calls += 1
                 before = _card_clocks()
                 try:
@@ -167,6 +313,7 @@ class PrecompiledForward:
                         f"failed before running ({type(e).__name__}: {first_line(e)})"
                     )
         self.stats.plain += 1
+        self._mark(args, kwargs)
         if self._retry is None:
             return self._plain(*args, **kwargs)
         before = _card_clocks()
@@ -182,11 +329,39 @@ class PrecompiledForward:
             self._entries.clear()  # described for the module as it was
             return self._plain(*args, **kwargs)
 
+    def _dims(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int]]:
+        return [] if self._dynamic is None else self._dynamic(args, kwargs)
+
+    def _mark(self, args: tuple, kwargs: dict) -> None:
+        for t, dim in self._dims(args, kwargs):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+
+    def _admits(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
+        """The entry serves this call (its class check and kept guards pass);
+        why not, in ``stats.why``."""
+        module = self._module
+        if entry.classes != _classes(module):
+            self.stats.why["(loaded entry)"] = "the module's classes differ"
+            return False
+        if not entry.fn.guard_check(module, *args, **kwargs):
+            f_locals = entry.fn.prepare_f_locals(module, *args, **kwargs)
+            reason = entry.fn._artifacts.guard_manager.check_verbose(f_locals)
+            self.stats.why["(loaded entry)"] = f"guards refuse the call: {str(reason)[:600]}"
+            return False
+        if not entry.checks:
+            return True
+        f_locals = entry.fn.prepare_f_locals(module, *args, **kwargs)
+        changed = _ValueChecks.failed(entry.checks, f_locals, self._globals())
+        if changed is not None:
+            self.stats.why["(loaded entry)"] = f"a value the trace read changed: {changed}"
+            return False
+        return True
+
     def _entry(self, args: tuple, kwargs: dict) -> _Entry | None:
         if not settings.get().precompile or artifact_cache.root() is None:
             return None
         try:
-            desc = _describe_call(args, kwargs)
+            desc = _describe_call(args, kwargs, {id(t): d for t, d in self._dims(args, kwargs)})
         except _Refused as e:
             self.stats.why.setdefault("(arguments)", str(e))
             return None
@@ -209,7 +384,7 @@ class PrecompiledForward:
     def _obtain(self, desc: Any, args: tuple, kwargs: dict) -> _Entry:
         module = self._module
         try:
-            cache_key = artifact_cache.key_of(NAMESPACE, [desc, _module_key(module)])
+            cache_key = artifact_cache.key_of(NAMESPACE, [desc, _module_key(module), self._salt])
         except (artifact_cache.Uncacheable, TypeError, ValueError) as e:
             raise _Refused(f"the module has no stable key ({e})") from e
         classes = _classes(module)
@@ -221,14 +396,16 @@ class PrecompiledForward:
                 with card.compiling():  # what loading runs on the card is not the user's call
                     fn = self._deserialize(saved)
                 fn.disable_guard_check()  # checked in __call__, with the class check
+                checks = _ValueChecks.compiled(saved.get("checks", []))
                 self.stats.loaded += 1
-                return _Entry(fn, classes)
+                return _Entry(fn, classes, checks)
             except Exception as e:  # noqa: BLE001 - any failure: rebuild it
                 artifact_cache.discard(NAMESPACE, cache_key,
                                        f"does not load ({type(e).__name__}: {e})")  # fmt: skip
+        values = _ValueChecks()
         try:
             with card.compiling():
-                fn = self._compile_ahead(args, kwargs)
+                fn = self._compile_ahead(args, kwargs, values)
         except Exception as e:  # noqa: BLE001 - a graph break, an unsupported guard...
             why = f"not compiled ahead of time ({type(e).__name__}: {first_line(e)})"
             if isinstance(e, torch._dynamo.exc.Unsupported):
@@ -236,32 +413,39 @@ class PrecompiledForward:
                 # again (anything else may be this process's, and is retried)
                 artifact_cache.store(NAMESPACE, cache_key, {"plain": why})
             raise _Refused(why) from e
+        if values.unchecked:  # the code's too: remembered
+            why = ("the trace read values a saved forward cannot check: "
+                   + ", ".join(values.unchecked[:3]))  # fmt: skip
+            artifact_cache.store(NAMESPACE, cache_key, {"plain": why})
+            raise _Refused(why)
         self.stats.built += 1
         try:
             # saving reads the graph's constants back from the card: unbilled,
             # as compiling is (the first call is billed as a loaded one's)
             with card.compiling():
                 blob = self._serialize(fn)
+                blob["checks"] = values.recorded
         except Exception as e:  # noqa: BLE001 - kept in memory for this process
             self.stats.why[_brief(desc)] = f"not saved ({first_line(e)})"
         else:
             self.stats.saved += int(artifact_cache.store(NAMESPACE, cache_key, blob))
         fn.disable_guard_check()
-        return _Entry(fn, classes)
+        return _Entry(fn, classes, _ValueChecks.compiled(values.recorded))
 
-    def _compile_ahead(self, args: tuple, kwargs: dict):
-        if self._aot is None:
-            self._aot = torch.compile(
-                self._forward,
-                backend=self._backend,
-                dynamic=False,
-                fullgraph=True,
-                options={"guard_filter_fn": _serializable_guards},
-            )
-        compile_ahead = getattr(self._aot, "aot_compile", None)
+    def _compile_ahead(self, args: tuple, kwargs: dict, values: _ValueChecks):
+        aot = torch.compile(
+            self._forward,
+            backend=self._backend,
+            dynamic=False,
+            fullgraph=True,
+            options={"guard_filter_fn": values},
+        )
+        compile_ahead = getattr(aot, "aot_compile", None)
         if compile_ahead is None:
             raise _Refused(f"torch {torch.__version__} has no torch.compile(...).aot_compile")
-        return compile_ahead((args, kwargs))
+        self._mark(args, kwargs)
+        with _singletons_saved():
+            return compile_ahead((args, kwargs))
 
     def _globals(self) -> dict:
         fn = getattr(self._forward, "__func__", self._forward)
@@ -286,8 +470,20 @@ class PrecompiledForward:
 
 
 # ------------------------------------------------------------------ describing
-def _describe_call(args: tuple, kwargs: dict) -> list:
-    return [[_describe(a) for a in args], [[k, _describe(v)] for k, v in sorted(kwargs.items())]]
+def _describe_call(args: tuple, kwargs: dict, dynamic: dict[int, int] | None = None) -> list:
+    """``dynamic``: a tensor's symbolic dim by the tensor's id (its size and
+    the strides are described as "*")."""
+    dynamic = dynamic or {}
+
+    def one(v: Any) -> Any:
+        desc = _describe(v)
+        dim = dynamic.get(id(v))
+        if dim is not None:
+            desc[1] = ["*" if i == dim else n for i, n in enumerate(desc[1])]
+            desc[2] = ["*"] * len(desc[2])
+        return desc
+
+    return [[one(a) for a in args], [[k, one(v)] for k, v in sorted(kwargs.items())]]
 
 
 def _brief(desc: list) -> str:

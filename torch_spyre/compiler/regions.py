@@ -26,6 +26,7 @@ Measured in ``benchmarks/startup.py`` (docs/serving.md).
 
 from __future__ import annotations
 
+import hashlib
 import operator
 
 import torch
@@ -77,11 +78,16 @@ def _region_class(cls: type) -> type:
     region = _REGIONS.get(cls)
     if region is None:
         forward = torch.compiler.nested_compile_region(cls.forward, max_reuse_entries=MAX_BODIES)
+        # found by pickle under a name of this module (a saved trace pickles
+        # the layers' class by reference: compiler/precompiled.py), the same
+        # name in every process that marks ``cls`` (torch saves a class only
+        # when its __qualname__ is its __name__)
+        digest = hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}".encode()).hexdigest()
+        name = f"{cls.__name__}_region_{digest[:10]}"
         region = _REGIONS[cls] = type(
-            cls.__name__,
-            (cls,),
-            {"forward": forward, "__module__": cls.__module__, "_spyre_region_of": cls},
+            name, (cls,), {"forward": forward, "__module__": __name__, "_spyre_region_of": cls}
         )
+        globals()[name] = region
     return region
 
 

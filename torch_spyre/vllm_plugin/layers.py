@@ -241,7 +241,11 @@ def _linear_class(base: type) -> type:
         base.__init__(self, *args, **kwargs)
         _swap_quant_method(self, UnquantizedLinearMethod, SpyreLinearMethod)
 
-    return type(f"Spyre{base.__name__}", (base,), {"__init__": __init__})
+    cls = type(f"Spyre{base.__name__}", (base,), {"__init__": __init__})
+    # a module attribute, as a class statement makes it: pickle finds the class
+    # by name (a saved trace holds the layers' classes: compiler/precompiled.py)
+    globals()[cls.__name__] = cls
+    return cls
 
 
 class SpyreVocabParallelEmbedding(VocabParallelEmbedding):

@@ -91,7 +91,9 @@ class SpyreModelRunner(CPUModelRunner):
         mamba.register_mixer_op()  # hybrid models' Mamba-2 layers, same way
         if compile_mod.enabled(pooling=self.is_pooling_model) and not user_eager:
             self.compiled = CompiledForward(
-                self.model, self.scheduler_config.max_num_batched_tokens
+                self.model,
+                self.scheduler_config.max_num_batched_tokens,
+                self.vllm_config.compute_hash(),
             )
             self.compiled_head = CompiledHead(self._max_logit_rows())
             for m in self.model.modules():
